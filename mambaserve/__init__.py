@@ -1,0 +1,1 @@
+"""mambaserve: serving Mamba2 and hybrid state-space language models."""

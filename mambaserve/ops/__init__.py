@@ -1,0 +1,356 @@
+"""The op interface: one public function per op, two implementations behind it.
+
+On CUDA tensors an op runs its Triton kernel; everywhere else it runs the plain PyTorch
+reference of `mambaserve.ops.reference`. `backend("reference" | "triton" | "auto")` forces one
+implementation inside a `with` block (tests use "triton" on CPU tensors under
+TRITON_INTERPRET=1). Arguments are checked here, once, for both implementations.
+
+Some kernels need per-step metadata computed on the host (chunk boundaries, token blocks). Ops
+that do take an optional `metadata` dict: the forward context passes one dict per step, the
+first layer fills it and every later layer reuses it. The references ignore it.
+
+This package knows nothing about models or the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Iterator
+
+import torch
+
+from mambaserve.ops import reference
+
+__all__ = [
+    "backend",
+    "current_backend",
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "mamba_chunk_scan",
+    "selective_state_update",
+    "rms_norm_gated",
+    "reshape_and_cache",
+    "paged_attention",
+    "fused_moe",
+    "reference",
+]
+
+_BACKENDS = ("auto", "reference", "triton")
+_local = threading.local()
+
+
+def current_backend() -> str:
+    return getattr(_local, "backend", "auto")
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Force the implementation of the ops called inside the block.
+
+    name: "auto" (Triton on CUDA tensors, the reference elsewhere), "reference" or "triton".
+    Raises ValueError for any other name.
+    """
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown ops backend {name!r}; expected one of {_BACKENDS}")
+    previous = current_backend()
+    _local.backend = name
+    try:
+        yield
+    finally:
+        _local.backend = previous
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    name = current_backend()
+    if name == "auto":
+        return t.is_cuda
+    return name == "triton"
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_batch(query_start_loc, state_indices, has_initial_state=None):
+    _check(query_start_loc.dim() == 1 and query_start_loc.numel() >= 1,
+           f"query_start_loc must be (batch + 1,), got {tuple(query_start_loc.shape)}")
+    batch = query_start_loc.numel() - 1
+    _check(state_indices.shape == (batch,),
+           f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+    if has_initial_state is not None:
+        _check(has_initial_state.shape == (batch,),
+               f"has_initial_state must be ({batch},), got {tuple(has_initial_state.shape)}")
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+    metadata: dict | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv1d over a packed batch mixing prefills and decodes.
+
+    x: (num_tokens, dim) with feature stride 1 (a column slice of a wider tensor is fine);
+    weight: (dim, width); bias: (dim,) or None; conv_states: (num_slots, width - 1, dim),
+    contiguous along dim, updated in place; query_start_loc: (batch + 1,) int32;
+    state_indices: (batch,) int32, -1 = padding (no state read or written);
+    has_initial_state: (batch,) bool. Returns (num_tokens, dim) in x.dtype.
+    Sequence i is convolved as if preceded by conv_states[state_indices[i]] (zeros when it has
+    no initial state); that slot then holds the last width - 1 inputs of the concatenation.
+    Math: `reference.causal_conv1d`. Raises ValueError on inconsistent shapes.
+    """
+    _check(x.dim() == 2 and x.stride(1) == 1, f"x must be (num_tokens, dim) with stride 1 on dim, got {tuple(x.shape)} strides {x.stride()}")
+    dim = x.shape[1]
+    _check(weight.dim() == 2 and weight.shape[0] == dim, f"weight must be ({dim}, width), got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    _check(bias is None or bias.shape == (dim,), f"bias must be ({dim},)")
+    _check(conv_states.dim() == 3 and conv_states.shape[1:] == (width - 1, dim),
+           f"conv_states must be (num_slots, {width - 1}, {dim}), got {tuple(conv_states.shape)}")
+    _check(activation in (None, "silu", "swish"), f"unsupported activation {activation!r}")
+    _check_batch(query_start_loc, state_indices, has_initial_state)
+    if _use_triton(x):
+        from mambaserve.ops.conv1d import causal_conv1d_triton
+
+        return causal_conv1d_triton(x, weight, bias, conv_states, query_start_loc, state_indices,
+                                    has_initial_state, activation, metadata)
+    return reference.causal_conv1d(x, weight, bias, conv_states, query_start_loc, state_indices,
+                                   has_initial_state, activation)
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Conv1d for a decode-only batch: one token per sequence, always with an initial state.
+
+    x: (batch, dim), feature stride 1; conv_states: (num_slots, width - 1, dim) updated in place;
+    weight: (dim, width); bias: (dim,) or None; state_indices: (batch,), -1 = padding.
+    Returns (batch, dim) in x.dtype. Raises ValueError on inconsistent shapes.
+    """
+    _check(x.dim() == 2 and x.stride(1) == 1, f"x must be (batch, dim) with stride 1 on dim, got {tuple(x.shape)}")
+    dim = x.shape[1]
+    _check(weight.dim() == 2 and weight.shape[0] == dim, f"weight must be ({dim}, width)")
+    _check(conv_states.dim() == 3 and conv_states.shape[1:] == (weight.shape[1] - 1, dim),
+           f"conv_states must be (num_slots, {weight.shape[1] - 1}, {dim}), got {tuple(conv_states.shape)}")
+    _check(state_indices.shape == (x.shape[0],), "state_indices must be (batch,)")
+    _check(activation in (None, "silu", "swish"), f"unsupported activation {activation!r}")
+    if _use_triton(x):
+        from mambaserve.ops.conv1d import causal_conv1d_update_triton
+
+        return causal_conv1d_update_triton(x, conv_states, weight, bias, state_indices, activation)
+    return reference.causal_conv1d_update(x, conv_states, weight, bias, state_indices, activation)
+
+
+def _check_ssm(x, dt, A, B, C, D, z, dt_bias, ssm_states):
+    _check(x.dim() == 3, f"x must be (tokens, nheads, headdim), got {tuple(x.shape)}")
+    T, H, P = x.shape
+    _check(dt.shape == (T, H), f"dt must be ({T}, {H}), got {tuple(dt.shape)}")
+    _check(A.shape == (H,), f"A must be ({H},), got {tuple(A.shape)}")
+    _check(B.dim() == 3 and B.shape[0] == T and C.shape == B.shape,
+           f"B and C must be ({T}, ngroups, dstate), got {tuple(B.shape)} and {tuple(C.shape)}")
+    G, N = B.shape[1], B.shape[2]
+    _check(H % G == 0, f"nheads ({H}) must be a multiple of ngroups ({G})")
+    _check(D is None or D.shape == (H,), f"D must be ({H},)")
+    _check(dt_bias is None or dt_bias.shape == (H,), f"dt_bias must be ({H},)")
+    _check(z is None or z.shape == x.shape, "z must have the shape of x")
+    _check(ssm_states.dim() == 4 and ssm_states.shape[1:] == (H, P, N),
+           f"ssm_states must be (num_slots, {H}, {P}, {N}), got {tuple(ssm_states.shape)}")
+
+
+def mamba_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    metadata: dict | None = None,
+) -> torch.Tensor:
+    """The Mamba2 SSD scan over variable-length packed sequences, with state pool I/O.
+
+    x: (num_tokens, nheads, headdim); dt: (num_tokens, nheads); A: (nheads,) float32;
+    B, C: (num_tokens, ngroups, dstate), head h uses group h // (nheads // ngroups);
+    D, dt_bias: (nheads,) or None; z: like x or None (y is multiplied by silu(z));
+    ssm_states: (num_slots, nheads, headdim, dstate), float32/bfloat16/float16, read as the
+    initial state where has_initial_state and overwritten with each sequence's final state;
+    query_start_loc (batch + 1,), state_indices (batch,) (-1 = padding), has_initial_state
+    (batch,) bool. Returns y like x.
+    Math (Mamba2 paper, "Transformers are SSMs", section 6): dt' = clamp(softplus(dt + dt_bias),
+    dt_limit); h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T; y_t = h_t C_t + D x_t.
+    chunk_size only matters to the kernels. Raises ValueError on inconsistent shapes.
+    """
+    _check_ssm(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+    _check(isinstance(chunk_size, int) and chunk_size > 0, f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_batch(query_start_loc, state_indices, has_initial_state)
+    if _use_triton(x):
+        from mambaserve.ops.ssd import mamba_chunk_scan_triton
+
+        return mamba_chunk_scan_triton(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states,
+                                       query_start_loc, state_indices, has_initial_state,
+                                       dt_softplus, dt_limit, metadata)
+    return reference.mamba_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states,
+                                      query_start_loc, state_indices, has_initial_state,
+                                      dt_softplus, dt_limit)
+
+
+def selective_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """One SSM recurrence step per sequence (decode), in place on the state pool.
+
+    ssm_states: (num_slots, nheads, headdim, dstate); x: (batch, nheads, headdim);
+    dt: (batch, nheads); A: (nheads,); B, C: (batch, ngroups, dstate); D, dt_bias: (nheads,)
+    or None; z: like x or None; state_indices: (batch,), -1 = padding (state untouched).
+    Returns y like x. Math as in `mamba_chunk_scan`, one step.
+    Raises ValueError on inconsistent shapes.
+    """
+    _check_ssm(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+    _check(state_indices.shape == (x.shape[0],), "state_indices must be (batch,)")
+    if _use_triton(x):
+        from mambaserve.ops.state_update import selective_state_update_triton
+
+        return selective_state_update_triton(ssm_states, x, dt, A, B, C, D, z, dt_bias,
+                                             state_indices, dt_softplus, dt_limit)
+    return reference.selective_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias,
+                                            state_indices, dt_softplus, dt_limit)
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor | None,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """Gated RMSNorm over groups of group_size features (Mamba2 paper, section 7.2).
+
+    x, z: (num_tokens, hidden) (z may be None); weight: (hidden,). norm_before_gate=False
+    computes weight * rmsnorm_g(x * silu(z)). Returns (num_tokens, hidden) in x.dtype.
+    Raises ValueError when hidden is not a multiple of group_size or shapes disagree.
+    """
+    _check(x.dim() == 2, f"x must be (num_tokens, hidden), got {tuple(x.shape)}")
+    _check(x.shape[1] % group_size == 0, f"hidden ({x.shape[1]}) must be a multiple of group_size ({group_size})")
+    _check(weight.shape == (x.shape[1],), "weight must be (hidden,)")
+    _check(z is None or z.shape == x.shape, "z must have the shape of x")
+    if _use_triton(x):
+        from mambaserve.ops.layernorm_gated import rms_norm_gated_triton
+
+        return rms_norm_gated_triton(x, weight, z, eps, group_size, norm_before_gate)
+    return reference.rms_norm_gated(x, weight, z, eps, group_size, norm_before_gate)
+
+
+def reshape_and_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V rows into the paged cache by slot (block * block_size + offset; -1 skips).
+
+    k, v: (num_tokens, num_kv_heads, head_dim); k_cache, v_cache: (num_blocks, block_size,
+    num_kv_heads, head_dim); slot_mapping: (num_tokens,) int. Raises ValueError on bad shapes.
+    """
+    _check(k.dim() == 3 and v.shape == k.shape, "k and v must be (num_tokens, num_kv_heads, head_dim)")
+    _check(k_cache.dim() == 4 and k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape,
+           f"caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]})")
+    _check(slot_mapping.shape == (k.shape[0],), "slot_mapping must be (num_tokens,)")
+    if _use_triton(k):
+        from mambaserve.ops.attention import reshape_and_cache_triton
+
+        return reshape_and_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+    return reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    metadata: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed prefill/decode batch over the paged KV cache.
+
+    q: (num_tokens, num_heads, head_dim); k_cache, v_cache: (num_blocks, block_size,
+    num_kv_heads, head_dim) already holding this step's keys; block_table: (batch,
+    max_blocks_per_seq) int32; seq_lens: (batch,) int32, context length after this step;
+    query_start_loc: (batch + 1,) int32; scale: the softmax scale (the model's, e.g. Granite's
+    attention_multiplier). Returns (num_tokens, num_heads, head_dim) in q.dtype.
+    Math: `reference.paged_attention`. Raises ValueError on inconsistent shapes.
+    """
+    _check(q.dim() == 3, f"q must be (num_tokens, num_heads, head_dim), got {tuple(q.shape)}")
+    _check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == q.shape[2],
+           "caches must be (num_blocks, block_size, num_kv_heads, head_dim)")
+    _check(q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads")
+    batch = query_start_loc.numel() - 1
+    _check(seq_lens.shape == (batch,) and block_table.dim() == 2 and block_table.shape[0] == batch,
+           f"seq_lens must be ({batch},) and block_table ({batch}, max_blocks)")
+    if _use_triton(q):
+        from mambaserve.ops.attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
+                                      scale, metadata)
+    return reference.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """SiLU-gated mixture of experts over routed tokens.
+
+    hidden_states: (num_tokens, hidden); w1: (num_experts, 2 * inter, hidden) with the gate
+    rows first, then the up rows; w2: (num_experts, hidden, inter); topk_weights:
+    (num_tokens, top_k); topk_ids: (num_tokens, top_k) int. Returns (num_tokens, hidden).
+    Math: `reference.fused_moe`. Raises ValueError on inconsistent shapes.
+    """
+    _check(hidden_states.dim() == 2, "hidden_states must be (num_tokens, hidden)")
+    E, two_i, Hd = w1.shape
+    _check(Hd == hidden_states.shape[1] and two_i % 2 == 0, f"w1 must be (E, 2 * inter, {hidden_states.shape[1]})")
+    _check(w2.shape == (E, Hd, two_i // 2), f"w2 must be ({E}, {Hd}, {two_i // 2})")
+    _check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == hidden_states.shape[0],
+           "topk_ids and topk_weights must be (num_tokens, top_k)")
+    if _use_triton(hidden_states):
+        from mambaserve.ops.moe import fused_moe_triton
+
+        return fused_moe_triton(hidden_states, w1, w2, topk_weights, topk_ids)
+    return reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids)

@@ -1,0 +1,377 @@
+"""Plain PyTorch twins of every op in `mambaserve.ops`.
+
+They are the test oracle for the Triton kernels and the implementation used on the CPU. They
+are written to be obviously right, not fast: a Python loop over the sequences of a packed batch,
+float32 arithmetic (float64 when the inputs are float64), no fusion.
+
+Conventions shared by all ops (see `mambaserve.ops` for the full argument lists):
+- a packed batch holds sequence i in rows `query_start_loc[i]:query_start_loc[i+1]`;
+- `state_indices[i]` names the slot of the state pool that sequence i reads and writes;
+  -1 marks a padding entry: its output rows are computed as if it had no initial state, and
+  no slot is read or written for it.
+
+This module knows nothing about models or the engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation is None:
+        return x
+    if activation in ("silu", "swish"):
+        return F.silu(x)
+    raise ValueError(f"unsupported activation {activation!r}; expected 'silu' or None")
+
+
+def _sequences(query_start_loc: torch.Tensor):
+    """Yield (i, start, end) for every sequence of a packed batch (host sync: reference only)."""
+    bounds = query_start_loc.tolist()
+    for i in range(len(bounds) - 1):
+        yield i, bounds[i], bounds[i + 1]
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Depthwise causal conv1d over a packed batch, continuing from per-sequence conv states.
+
+    Shapes: x (num_tokens, dim); weight (dim, width); bias (dim,) or None;
+    conv_states (num_slots, width - 1, dim), updated in place; query_start_loc (batch + 1,);
+    state_indices (batch,); has_initial_state (batch,) bool. Returns (num_tokens, dim), x.dtype.
+
+    Math: out[t, d] = act(bias[d] + sum_k weight[d, k] * xs[t + k, d]) where xs is the sequence
+    preceded by its width - 1 previous inputs (the conv state, or zeros). The slot then holds
+    the last width - 1 rows of xs (Mamba2 paper, section 7: the short convolution on x, B, C).
+    """
+    width = weight.shape[1]
+    cdt = _compute_dtype(x)
+    out = torch.empty_like(x)
+    w = weight.to(cdt)
+    for i, start, end in _sequences(query_start_loc):
+        slot = int(state_indices[i])
+        if slot >= 0 and bool(has_initial_state[i]):
+            prev = conv_states[slot].to(cdt)  # (width - 1, dim)
+        else:
+            prev = x.new_zeros(width - 1, x.shape[1], dtype=cdt)
+        xs = torch.cat([prev, x[start:end].to(cdt)], dim=0)  # (width - 1 + L, dim)
+        y = F.conv1d(xs.t().unsqueeze(0), w.unsqueeze(1), groups=x.shape[1])[0].t()  # (L, dim)
+        if bias is not None:
+            y = y + bias.to(cdt)
+        out[start:end] = _activate(y, activation).to(x.dtype)
+        if slot >= 0 and width > 1:
+            conv_states[slot] = xs[xs.shape[0] - (width - 1) :].to(conv_states.dtype)
+    return out
+
+
+def causal_conv1d_update(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """One decode token per sequence: `causal_conv1d` with every sequence of length 1 and an
+    initial state. x: (batch, dim); conv_states (num_slots, width - 1, dim) updated in place;
+    state_indices (batch,). Returns (batch, dim), x.dtype."""
+    batch = x.shape[0]
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=x.device)
+    has_init = torch.ones(batch, dtype=torch.bool, device=x.device)
+    return causal_conv1d(x, weight, bias, conv_states, qsl, state_indices, has_init, activation)
+
+
+def _process_dt(dt, dt_bias, dt_softplus, dt_limit, cdt):
+    dt = dt.to(cdt)
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(cdt)
+    if dt_softplus:
+        dt = F.softplus(dt)
+    lo, hi = dt_limit
+    if lo > 0.0 or hi != math.inf:
+        dt = dt.clamp(min=lo, max=hi)
+    return dt
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """a: (..., T) -> (..., T, T) with out[..., i, j] = sum(a[..., j+1 : i+1]) for j <= i, -inf above."""
+    T = a.shape[-1]
+    cs = torch.cumsum(a, dim=-1)
+    out = cs[..., :, None] - cs[..., None, :]
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device))
+    return out.masked_fill(~mask, -math.inf)
+
+
+def ssd_sequence(x, dt, A, B, C, chunk_size, initial_state):
+    """The SSD chunked scan of one sequence (Mamba2 paper, section 6, the minimal SSD listing).
+
+    x: (L, H, P); dt: (L, H) already processed; A: (H,); B, C: (L, H, N) (groups expanded);
+    initial_state: (H, P, N) or None. All in one float dtype. Returns y (L, H, P) without the
+    D skip, and the final state (H, P, N).
+    """
+    L, H, P = x.shape
+    N = B.shape[-1]
+    pad = (-L) % chunk_size
+    if pad:
+        # Padding with dt = 0 leaves the state untouched: exp(0 * A) = 1 and dt * x = 0.
+        x, dt, B, C = (F.pad(t, (0,) * (2 * t.dim() - 2) + (0, pad)) for t in (x, dt, B, C))
+    c = x.shape[0] // chunk_size
+    xdt = (x * dt[..., None]).view(c, chunk_size, H, P)  # (c, l, H, P)
+    Bc = B.view(c, chunk_size, H, N)
+    Cc = C.view(c, chunk_size, H, N)
+    dA = (dt * A).view(c, chunk_size, H).permute(2, 0, 1)  # (H, c, l)
+    dA_cs = torch.cumsum(dA, dim=-1)  # (H, c, l)
+
+    # 1. within each chunk: the quadratic (attention-like) form
+    decay = torch.exp(_segsum(dA))  # (H, c, l, s)
+    y_diag = torch.einsum("clhn,cshn,hcls,cshp->clhp", Cc, Bc, decay, xdt)
+    # 2. each chunk's own contribution to the state at its end
+    decay_to_end = torch.exp(dA_cs[:, :, -1:] - dA_cs)  # (H, c, l)
+    chunk_states = torch.einsum("clhn,hcl,clhp->chpn", Bc, decay_to_end, xdt)  # (c, H, P, N)
+    # 3. pass states across chunk boundaries, starting from the initial state
+    h0 = initial_state if initial_state is not None else x.new_zeros(H, P, N)
+    chunk_states = torch.cat([h0[None], chunk_states], dim=0)  # (c + 1, H, P, N)
+    decay_chunk = torch.exp(_segsum(F.pad(dA_cs[:, :, -1], (1, 0))))  # (H, c + 1, c + 1)
+    states = torch.einsum("hzc,chpn->zhpn", decay_chunk, chunk_states)  # (c + 1, H, P, N)
+    # 4. the state entering each chunk, read out by C
+    y_off = torch.einsum("clhn,chpn,hcl->clhp", Cc, states[:-1], torch.exp(dA_cs))
+    y = (y_diag + y_off).reshape(c * chunk_size, H, P)[:L]
+    return y, states[-1]
+
+
+def _expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
+    """(T, ngroups, N) -> (T, nheads, N): head h reads group h // (nheads // ngroups)."""
+    return t.repeat_interleave(nheads // t.shape[1], dim=1)
+
+
+def mamba_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """Mamba2 selective scan over a packed batch, from and into the SSM state pool.
+
+    Shapes: x (num_tokens, nheads, headdim); dt (num_tokens, nheads); A (nheads,);
+    B, C (num_tokens, ngroups, dstate); D (nheads,) or None; z like x or None;
+    dt_bias (nheads,) or None; ssm_states (num_slots, nheads, headdim, dstate) updated in place.
+    Returns y like x.
+
+    Math (Mamba2 paper, sections 3 and 6): dt' = clamp(softplus(dt + dt_bias), dt_limit);
+    h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T; y_t = h_t C_t + D x_t; y *= silu(z).
+    Computed per sequence with the chunked SSD algorithm in float32 (float64 for float64 x).
+    """
+    cdt = _compute_dtype(x)
+    nheads = x.shape[1]
+    dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)  # (T, H)
+    Bh = _expand_groups(B.to(cdt), nheads)
+    Ch = _expand_groups(C.to(cdt), nheads)
+    xc = x.to(cdt)
+    Ac = A.to(cdt)
+    y = torch.empty_like(xc)
+    for i, start, end in _sequences(query_start_loc):
+        slot = int(state_indices[i])
+        init = ssm_states[slot].to(cdt) if slot >= 0 and bool(has_initial_state[i]) else None
+        if end == start:
+            if slot >= 0:
+                ssm_states[slot] = (init if init is not None else torch.zeros_like(ssm_states[slot]))
+            continue
+        ys, final = ssd_sequence(
+            xc[start:end], dtp[start:end], Ac, Bh[start:end], Ch[start:end], chunk_size, init
+        )
+        y[start:end] = ys
+        if slot >= 0:
+            ssm_states[slot] = final.to(ssm_states.dtype)
+    if D is not None:
+        y = y + xc * D.to(cdt)[:, None]
+    if z is not None:
+        y = y * F.silu(z.to(cdt))
+    return y.to(x.dtype)
+
+
+def selective_state_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """One recurrence step per sequence (decode), in place on the state pool by index.
+
+    Shapes: ssm_states (num_slots, nheads, headdim, dstate); x (batch, nheads, headdim);
+    dt (batch, nheads); A (nheads,); B, C (batch, ngroups, dstate); D (nheads,) or None;
+    z like x or None; dt_bias (nheads,) or None; state_indices (batch,), -1 = padding.
+    Returns y like x. Math as in `mamba_chunk_scan` for a single step.
+    """
+    cdt = _compute_dtype(x)
+    nheads = x.shape[1]
+    dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)  # (batch, H)
+    Bh = _expand_groups(B.to(cdt), nheads)  # (batch, H, N)
+    Ch = _expand_groups(C.to(cdt), nheads)
+    xc = x.to(cdt)
+    y = torch.empty_like(xc)
+    for i in range(x.shape[0]):
+        slot = int(state_indices[i])
+        h = ssm_states[slot].to(cdt) if slot >= 0 else xc.new_zeros(ssm_states.shape[1:])
+        dA = torch.exp(dtp[i] * A.to(cdt))  # (H,)
+        h = h * dA[:, None, None] + (dtp[i][:, None] * xc[i])[..., None] * Bh[i][:, None, :]
+        y[i] = (h * Ch[i][:, None, :]).sum(-1)
+        if slot >= 0:
+            ssm_states[slot] = h.to(ssm_states.dtype)
+    if D is not None:
+        y = y + xc * D.to(cdt)[:, None]
+    if z is not None:
+        y = y * F.silu(z.to(cdt))
+    return y.to(x.dtype)
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor | None,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """Gated RMSNorm over groups of features (Mamba2 paper, section 7.2, "extra normalization").
+
+    x, z: (num_tokens, hidden); weight: (hidden,); hidden % group_size == 0.
+    norm_before_gate=False: out = weight * rmsnorm_g(x * silu(z)); True: weight * rmsnorm_g(x) * silu(z),
+    where rmsnorm_g divides each group of group_size features by its root mean square.
+    Returns (num_tokens, hidden), x.dtype.
+    """
+    cdt = _compute_dtype(x)
+    h = x.to(cdt)
+    if z is not None and not norm_before_gate:
+        h = h * F.silu(z.to(cdt))
+    shape = h.shape
+    g = h.view(*shape[:-1], shape[-1] // group_size, group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    h = g.view(shape) * weight.to(cdt)
+    if z is not None and norm_before_gate:
+        h = h * F.silu(z.to(cdt))
+    return h.to(x.dtype)
+
+
+def reshape_and_cache(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new keys and values into the paged cache.
+
+    k, v: (num_tokens, num_kv_heads, head_dim); k_cache, v_cache: (num_blocks, block_size,
+    num_kv_heads, head_dim); slot_mapping: (num_tokens,) with slot = block * block_size + offset,
+    -1 for a token that must not be cached (padding).
+    """
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    k_cache[slots // block_size, slots % block_size] = k[valid].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = v[valid].to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a packed batch over the paged KV cache (new tokens already cached).
+
+    q: (num_tokens, num_heads, head_dim); caches (num_blocks, block_size, num_kv_heads, head_dim);
+    block_table: (batch, max_blocks_per_seq) int32; seq_lens: (batch,) tokens in context after
+    this step (cached prefix + new); query_start_loc: (batch + 1,). The j-th new token of a
+    sequence sits at position seq_len - num_new + j and sees keys 0..that position.
+    softmax(scale * q k^T) v in float32 (Attention Is All You Need, section 3.2.1), GQA: query
+    head h reads kv head h // (num_heads // num_kv_heads). Returns (num_tokens, num_heads, head_dim).
+    """
+    cdt = _compute_dtype(q)
+    num_heads = q.shape[1]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for i, start, end in _sequences(query_start_loc):
+        n_new = end - start
+        if n_new == 0:
+            continue
+        seq_len = int(seq_lens[i])
+        n_blocks = -(-seq_len // block_size)
+        blocks = block_table[i, :n_blocks].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[-1])[:seq_len].to(cdt)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[-1])[:seq_len].to(cdt)
+        k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (S, H, Dh)
+        v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        qs = q[start:end].to(cdt)  # (n, H, Dh)
+        scores = torch.einsum("nhd,shd->hns", qs, k) * scale
+        q_pos = torch.arange(seq_len - n_new, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], -math.inf)
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hns,shd->nhd", probs, v).to(q.dtype)
+    return out
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Mixture of SiLU-gated experts (Shazeer et al. 2017, top-k routing; GLU: Shazeer 2020).
+
+    hidden_states: (num_tokens, hidden); w1: (num_experts, 2 * inter, hidden), rows [gate; up];
+    w2: (num_experts, hidden, inter); topk_weights: (num_tokens, top_k) float;
+    topk_ids: (num_tokens, top_k) int. out[t] = sum_k topk_weights[t, k] * expert_{ids[t,k]}(x_t)
+    with expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x. Returns (num_tokens, hidden).
+    """
+    cdt = _compute_dtype(hidden_states)
+    x = hidden_states.to(cdt)
+    out = torch.zeros_like(x)
+    inter = w2.shape[-1]
+    for e in torch.unique(topk_ids).tolist():
+        tok, k = torch.where(topk_ids == e)
+        h = x[tok] @ w1[e].to(cdt).t()  # (n, 2 * inter)
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        y = h @ w2[e].to(cdt).t()  # (n, hidden)
+        out.index_add_(0, tok, y * topk_weights[tok, k].to(cdt)[:, None])
+    return out.to(hidden_states.dtype)
