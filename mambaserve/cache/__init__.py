@@ -1,0 +1,1 @@
+"""Pure-Python bookkeeping of the state slots (conv + SSM) and the paged KV blocks."""

@@ -1,0 +1,1 @@
+"""The engine: sequences, scheduler, forward context, model runner, sampler and the step loop."""

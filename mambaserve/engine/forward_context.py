@@ -1,0 +1,118 @@
+"""The per-step forward context: batch metadata built once per step, read by every layer.
+
+A step runs one forward pass over a packed batch: sequence i owns token rows
+`query_start_loc[i]:query_start_loc[i+1]`. Decodes (one new token, with a state to continue
+from) come first, prefills and prefill chunks after them. The context also carries references to
+the cache tensors (one (conv_states, ssm_states) pair per Mamba layer, one (k_cache, v_cache)
+pair per attention layer), which the engine allocates once from the model's `CacheSpec`.
+
+This module knows nothing about scheduling; `ForwardContext.build` takes plain host lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    """Metadata of one forward pass over a packed batch of `batch` sequences, `num_tokens` rows.
+
+    query_start_loc: (batch + 1,) int32, row offsets of the sequences.
+    seq_lens: (batch,) int32, context length of each sequence after this step (cached + new).
+    state_indices: (batch,) int32, state slot of each sequence; -1 marks a padding entry.
+    has_initial_state: (batch,) bool, False for a sequence whose first token is in this step.
+    block_table: (batch, max_blocks) int32 KV block ids (padded with 0), or None without
+        attention layers. slot_mapping: (num_tokens,) int64 KV slot of each new token, -1 = none.
+    num_decodes: how many leading sequences are one-token decodes with an initial state
+        (host value). num_tokens, max_query_len, max_seq_len: host values.
+    mamba_caches / kv_caches: the cache tensors, indexed by a layer's cache index.
+    metadata: a scratch dict shared by the ops of this step (kernel metadata computed once).
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    state_indices: torch.Tensor
+    has_initial_state: torch.Tensor
+    block_table: torch.Tensor | None
+    slot_mapping: torch.Tensor | None
+    num_decodes: int
+    num_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    mamba_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    metadata: dict = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.state_indices.shape[0]
+
+    @property
+    def decode_only(self) -> bool:
+        """True when every sequence is a one-token decode (the decode kernels apply)."""
+        return self.num_decodes == self.batch_size
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: list[int],
+        seq_lens: list[int],
+        state_indices: list[int],
+        has_initial_state: list[bool],
+        block_tables: list[list[int]] | None,
+        block_size: int,
+        device: torch.device | str,
+        mamba_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> "ForwardContext":
+        """Build the context from host lists, one entry per sequence (decodes first).
+
+        query_lens[i] new tokens of sequence i end at position seq_lens[i] - 1. block_tables[i]
+        must cover seq_lens[i] tokens when given. Raises ValueError on inconsistent lengths.
+        """
+        n = len(query_lens)
+        if not (len(seq_lens) == len(state_indices) == len(has_initial_state) == n):
+            raise ValueError("query_lens, seq_lens, state_indices and has_initial_state must have one entry per sequence")
+        if any(q < 1 for q in query_lens) or any(s < q for q, s in zip(query_lens, seq_lens)):
+            raise ValueError("every sequence needs at least one new token and seq_len >= query_len")
+        num_decodes = 0
+        for q, h in zip(query_lens, has_initial_state):
+            if q == 1 and h:
+                num_decodes += 1
+            else:
+                break
+        offsets = [0]
+        for q in query_lens:
+            offsets.append(offsets[-1] + q)
+        i32 = dict(dtype=torch.int32)
+        block_table = slot_mapping = None
+        if block_tables is not None:
+            width = max((len(b) for b in block_tables), default=0) or 1
+            table = [b + [0] * (width - len(b)) for b in block_tables]
+            slots = []
+            for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+                blocks = block_tables[i]
+                if -(-s // block_size) > len(blocks):
+                    raise ValueError(f"block table of sequence {i} covers {len(blocks) * block_size} tokens, needs {s}")
+                for pos in range(s - q, s):
+                    slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            block_table = torch.tensor(table, **i32).to(device, non_blocking=True)
+            slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        return cls(
+            query_start_loc=torch.tensor(offsets, **i32).to(device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, **i32).to(device, non_blocking=True),
+            state_indices=torch.tensor(state_indices, **i32).to(device, non_blocking=True),
+            has_initial_state=torch.tensor(has_initial_state, dtype=torch.bool).to(device, non_blocking=True),
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            num_decodes=num_decodes,
+            num_tokens=offsets[-1],
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            mamba_caches=mamba_caches or [],
+            kv_caches=kv_caches or [],
+        )

@@ -1,0 +1,253 @@
+"""Continuous batching: which sequences run in the next forward pass, and how many tokens each.
+
+Plain Python over `Sequence` objects, a `StateSlotPool` and (for models with attention layers)
+a `BlockPool`; no tensors, no model. The engine runs the forward pass over the returned batch,
+then adds each scheduled chunk to `seq.num_computed_tokens`, appends the sampled tokens and
+calls `finish` for the sequences that are done. The scheduler never does that itself.
+
+Policy of `schedule()`, one step at a time, under a budget of `max_num_batched_tokens` tokens:
+
+1. Decodes. Every running sequence with exactly one uncomputed token, in running order
+   (= admission order), gets 1 token while the budget lasts.
+2. Running prefills. Every running sequence still in a chunked prefill (more than one
+   uncomputed token), in running order, gets min(uncomputed, budget left) tokens; with no
+   budget left it simply waits for the next step.
+   Before a running sequence is scheduled, its block table is grown to cover
+   `num_computed_tokens + num_new_tokens` tokens. If the block pool is short, the most recently
+   admitted running sequence not yet scheduled in this step (possibly the sequence itself) is
+   preempted by recompute: its slot and blocks are freed, `num_computed_tokens` goes back to
+   0, it becomes WAITING at the front of the waiting queue and is listed in `preempted`. Its
+   outputs so far are kept; later it is prefilled again over prompt + outputs.
+3. Admission. If nothing was preempted in this step, waiting sequences are admitted in FIFO
+   order while budget, `max_num_seqs`, state slots and KV blocks allow. An admitted sequence
+   gets a state slot and the blocks of its first chunk: min(uncomputed, budget left) tokens
+   with chunked prefill; without it, the whole prefill or nothing (a prefill that does not fit
+   the budget left waits, and so does everyone behind it). Admission never preempts.
+
+The batch lists decodes first, then chunks of running prefills, then the new admissions. A
+sequence is never scheduled twice in one step. Every running sequence holds a state slot;
+waiting ones hold neither a slot nor blocks.
+
+Assumptions the engine guarantees: each sequence fits the KV pool on its own (so the oldest
+running sequence always makes progress and there is no livelock); without chunked prefill,
+`max_num_batched_tokens` covers the longest prompt (checked in `add`). The one exception to
+"whole or nothing" without chunked prefill is a recompute after preemption longer than the
+budget (prompt + outputs): it is chunked, since it could never run otherwise.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from mambaserve.cache.block_pool import BlockPool
+from mambaserve.cache.state_pool import StateSlotPool
+from mambaserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence of a step: it computes the tokens
+    all_token_ids[seq.num_computed_tokens : seq.num_computed_tokens + num_new_tokens]."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """The batch of one step.
+
+    scheduled: decodes first (in running order), then prefill chunks.
+    preempted: sequences preempted by recompute in this step (now waiting, not in `scheduled`).
+    num_batched_tokens: sum of num_new_tokens over `scheduled`.
+    """
+
+    scheduled: list[ScheduledSequence]
+    preempted: list[Sequence]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting queue, running batch and the state/KV resources they hold (policy: module doc).
+
+    block_pool is None when the model has no attention layers.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        slot_pool: StateSlotPool,
+        block_pool: BlockPool | None,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.slot_pool = slot_pool
+        self.block_pool = block_pool
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (FIFO). Raises ValueError for a request id already in use, or,
+        without chunked prefill, for a prompt longer than max_num_batched_tokens."""
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already queued or running")
+        if not self.enable_chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
+            raise ValueError(
+                f"request {seq.request_id!r}: prompt of {seq.num_tokens} tokens exceeds "
+                f"max_num_batched_tokens={self.max_num_batched_tokens} with chunked prefill off"
+            )
+        assert seq.status == SequenceStatus.WAITING and seq.num_computed_tokens == 0
+        assert seq.state_slot is None and not seq.block_table
+        self._by_id[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Abort a waiting or running sequence: free its slot and blocks, status
+        FINISHED_ABORTED, finish_reason "abort". Returns it, or None for an unknown id."""
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take a sequence out of the scheduler with a finished status: free its slot and
+        blocks, set status and (unless already set) finish_reason."""
+        assert status.is_finished, status
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            assert seq.status == SequenceStatus.WAITING, seq
+            self.waiting.remove(seq)
+        self._release(seq)
+        del self._by_id[seq.request_id]
+        seq.status = status
+        if seq.finish_reason is None:
+            seq.finish_reason = status.finish_reason
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose the next step's batch (policy: module docstring)."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        scheduled_ids: set[int] = set()  # id() of sequences scheduled in this step
+        preempted: list[Sequence] = []
+
+        for decodes in (True, False):
+            for seq in list(self.running):
+                if budget == 0:
+                    break
+                if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                    continue
+                remaining = seq.num_uncomputed_tokens
+                assert remaining >= 1, f"running {seq} has nothing to compute"
+                if (remaining == 1) != decodes:
+                    continue
+                num_new = min(remaining, budget)
+                while not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
+                    victim = next(s for s in reversed(self.running) if id(s) not in scheduled_ids)
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+                scheduled.append(ScheduledSequence(seq, num_new))
+                scheduled_ids.add(id(seq))
+                budget -= num_new
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            remaining = seq.num_uncomputed_tokens
+            if remaining <= budget:
+                num_new = remaining
+            elif self.enable_chunked_prefill or remaining > self.max_num_batched_tokens:
+                num_new = budget
+            else:
+                break
+            if not self._admit(seq, num_new):
+                break
+            scheduled.append(ScheduledSequence(seq, num_new))
+            scheduled_ids.add(id(seq))
+            budget -= num_new
+
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    # -- resources ---------------------------------------------------------------------------
+
+    def _grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
+        """Extend seq.block_table to cover num_tokens tokens; False (nothing taken) if short."""
+        if self.block_pool is None:
+            return True
+        missing = self.block_pool.blocks_needed(num_tokens) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if not self.block_pool.can_allocate(missing):
+            return False
+        seq.block_table.extend(self.block_pool.allocate(missing))
+        return True
+
+    def _admit(self, seq: Sequence, num_new: int) -> bool:
+        """Move the head of the waiting queue to running with a slot and its first chunk's
+        blocks; False (nothing taken) if either is short."""
+        assert seq.num_computed_tokens == 0 and seq.state_slot is None and not seq.block_table
+        if self.slot_pool.num_free == 0:
+            return False
+        if self.block_pool is not None and not self.block_pool.can_allocate(
+            self.block_pool.blocks_needed(num_new)
+        ):
+            return False
+        ok = self._grow_blocks(seq, num_new)
+        assert ok
+        seq.state_slot = self.slot_pool.allocate()
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: release everything, back to the front of the waiting queue."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.state_slot is not None:
+            self.slot_pool.free(seq.state_slot)
+            seq.state_slot = None
+        if seq.block_table:
+            assert self.block_pool is not None
+            self.block_pool.free(seq.block_table)
+            seq.block_table = []

@@ -1,0 +1,112 @@
+"""The Mamba2 mixer over a packed batch (Dao & Gu 2024, "Transformers are SSMs", section 7).
+
+in_proj -> [z | xBC | dt]; a depthwise causal conv1d over xBC continuing from the conv state;
+the selective scan over x with B, C, dt from the SSM state; gated RMSNorm with z; out_proj.
+A mixed batch of prefills and decodes goes through one `causal_conv1d` and one
+`mamba_chunk_scan` call (no split); a decode-only batch uses the one-step update ops.
+
+Parameter names and shapes follow the Hugging Face checkpoints (`in_proj`, `conv1d.weight`
+(conv_dim, 1, width), `dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`). The layer reads its
+(conv_states, ssm_states) pair from `ctx.mamba_caches[cache_index]`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mambaserve import ops
+from mambaserve.engine.forward_context import ForwardContext
+
+
+@dataclass(frozen=True)
+class MambaStateShape:
+    """Per-request state of one Mamba layer: conv (width - 1, conv_dim), SSM (nheads, headdim, dstate)."""
+
+    conv_shape: tuple[int, int]
+    ssm_shape: tuple[int, int, int]
+
+
+class _Conv1dWeights(nn.Module):
+    def __init__(self, dim: int, width: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, 1, width))
+        self.bias = nn.Parameter(torch.empty(dim)) if bias else None
+
+
+class Mamba2Mixer(nn.Module):
+    """hidden_states: (num_tokens, hidden_size) -> (num_tokens, hidden_size)."""
+
+    # kept in float32 whatever the model dtype: they set decay rates and step sizes
+    float32_params = ("A_log", "D", "dt_bias")
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        head_dim: int,
+        d_state: int,
+        n_groups: int,
+        conv_kernel: int,
+        chunk_size: int,
+        intermediate_size: int | None = None,
+        use_conv_bias: bool = True,
+        use_bias: bool = False,
+        eps: float = 1e-6,
+        dt_limit: tuple[float, float] | None = None,
+        cache_index: int = 0,
+    ):
+        super().__init__()
+        self.num_heads, self.head_dim, self.d_state, self.n_groups = num_heads, head_dim, d_state, n_groups
+        self.intermediate_size = intermediate_size or num_heads * head_dim
+        if self.intermediate_size != num_heads * head_dim:
+            raise ValueError(f"intermediate size {self.intermediate_size} != num_heads * head_dim ({num_heads} * {head_dim})")
+        if num_heads % n_groups:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of n_groups ({n_groups})")
+        self.conv_dim = self.intermediate_size + 2 * n_groups * d_state
+        self.conv_kernel, self.chunk_size, self.eps = conv_kernel, chunk_size, eps
+        self.dt_limit = tuple(dt_limit) if dt_limit is not None else (0.0, math.inf)
+        self.cache_index = cache_index
+        self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + num_heads, bias=use_bias)
+        self.conv1d = _Conv1dWeights(self.conv_dim, conv_kernel, use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(num_heads))
+        self.A_log = nn.Parameter(torch.empty(num_heads))
+        self.D = nn.Parameter(torch.empty(num_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(self.intermediate_size))
+        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias)
+
+    def state_shape(self) -> MambaStateShape:
+        return MambaStateShape((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.d_state))
+
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        T = hidden_states.shape[0]
+        H, P, G, N, I = self.num_heads, self.head_dim, self.n_groups, self.d_state, self.intermediate_size
+        conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
+        zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
+        z = zxbcdt[:, :I]
+        xBC = zxbcdt[:, I : I + self.conv_dim]  # column slice: the conv reads it in place
+        dt = zxbcdt[:, I + self.conv_dim :]
+        weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        A = -torch.exp(self.A_log.float())
+        if ctx.decode_only:
+            xBC = ops.causal_conv1d_update(xBC, conv_states, weight, self.conv1d.bias, ctx.state_indices)
+        else:
+            xBC = ops.causal_conv1d(xBC, weight, self.conv1d.bias, conv_states, ctx.query_start_loc,
+                                    ctx.state_indices, ctx.has_initial_state, metadata=ctx.metadata)
+        x = xBC[:, :I].view(T, H, P)
+        B = xBC[:, I : I + G * N].view(T, G, N)
+        C = xBC[:, I + G * N :].view(T, G, N)
+        if ctx.decode_only:
+            y = ops.selective_state_update(ssm_states, x, dt, A, B, C, self.D, None, self.dt_bias,
+                                           ctx.state_indices, dt_softplus=True, dt_limit=self.dt_limit)
+        else:
+            y = ops.mamba_chunk_scan(x, dt, A, B, C, self.chunk_size, self.D, None, self.dt_bias, ssm_states,
+                                     ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
+                                     dt_softplus=True, dt_limit=self.dt_limit, metadata=ctx.metadata)
+        y = ops.rms_norm_gated(y.view(T, I), self.norm.weight, z, self.eps, group_size=I // G)
+        return self.out_proj(y)

@@ -1,0 +1,37 @@
+"""Gated MLPs: SiLU-gated (Shazeer 2020, "GLU variants") with separate or fused gate/up weights.
+
+Parameter names follow the Hugging Face checkpoints: `gate_proj`/`up_proj`/`down_proj` (Bamba,
+Llama style) or one fused `input_linear` holding [gate; up] and `output_linear` (Granite).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)). x: (num_tokens, hidden) -> (num_tokens, hidden)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FusedGatedMLP(nn.Module):
+    """output_linear(silu(g) * u) with [g; u] = input_linear(x) (Granite's shared expert)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.input_linear = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.input_linear(x).chunk(2, dim=-1)
+        return self.output_linear(F.silu(gate) * up)

@@ -1,0 +1,24 @@
+"""RMSNorm (Zhang & Sennrich 2019) over the last axis, computed in float32.
+
+Plain PyTorch on purpose: it is a small, memory-bound op that torch.compile fuses with its
+neighbours; the gated, grouped variant of the Mamba2 mixer is `mambaserve.ops.rms_norm_gated`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x / sqrt(mean(x^2) + eps). x: (..., hidden); returns x.dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)

@@ -1,0 +1,102 @@
+"""BambaForCausalLM: Mamba2 layers with a few RoPE attention layers, each followed by a gated MLP.
+
+HF names: model.embed_tokens, model.layers.{i}.input_layernorm, .mamba.* or .self_attn.*,
+.pre_ff_layernorm, .feed_forward.{gate,up,down}_proj, model.final_layernorm, lm_head.
+Attention layers are given by `attn_layer_indices`; RoPE rotates the first
+partial_rotary_factor (0.5) of each head; the softmax scale is 1/sqrt(head_dim).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.attention import Attention
+from mambaserve.layers.mamba2 import Mamba2Mixer
+from mambaserve.layers.mlp import GatedMLP
+from mambaserve.layers.norm import RMSNorm
+from mambaserve.layers.rotary import RotaryEmbedding
+from mambaserve.models.base import HybridForCausalLM, dt_limit, layer_kinds
+
+
+def rope_settings(config) -> tuple[float, float]:
+    """(theta, partial_rotary_factor) from either the old or the `rope_parameters` config layout."""
+    params = getattr(config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return float(theta), float(partial)
+
+
+class _Layer(nn.Module):
+    def __init__(self, config, kind: str, cache_index: int, rotary: RotaryEmbedding | None):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if kind == "mamba":
+            self.mamba = Mamba2Mixer(
+                hidden_size=config.hidden_size,
+                num_heads=config.mamba_n_heads,
+                head_dim=config.mamba_d_head,
+                d_state=config.mamba_d_state,
+                n_groups=config.mamba_n_groups,
+                conv_kernel=config.mamba_d_conv,
+                chunk_size=config.mamba_chunk_size,
+                intermediate_size=int(config.mamba_expand * config.hidden_size),
+                use_conv_bias=config.mamba_conv_bias,
+                use_bias=config.mamba_proj_bias,
+                eps=config.rms_norm_eps,
+                dt_limit=dt_limit(config),
+                cache_index=cache_index,
+            )
+        else:
+            head_dim = config.hidden_size // config.num_attention_heads
+            self.self_attn = Attention(
+                hidden_size=config.hidden_size,
+                num_heads=config.num_attention_heads,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=head_dim,
+                scale=head_dim**-0.5,
+                bias=getattr(config, "attention_bias", False),
+                rotary=rotary,
+                cache_index=cache_index,
+            )
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
+
+
+class _Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        head_dim = config.hidden_size // config.num_attention_heads
+        theta, partial = rope_settings(config)
+        rotary = RotaryEmbedding(head_dim, int(head_dim * partial), theta)
+        layers, n_mamba, n_attn = [], 0, 0
+        for kind in layer_kinds(config):
+            if kind == "mamba":
+                layers.append(_Layer(config, kind, n_mamba, None))
+                n_mamba += 1
+            else:
+                layers.append(_Layer(config, kind, n_attn, rotary))
+                n_attn += 1
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class BambaForCausalLM(HybridForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = _Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)  # (T, hidden)
+        for layer in self.model.layers:
+            x = layer.input_layernorm(h)
+            x = layer.mamba(x, ctx) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
+            h = h + x
+            h = h + layer.feed_forward(layer.pre_ff_layernorm(h))
+        return self.model.final_layernorm(h)

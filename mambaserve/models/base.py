@@ -1,0 +1,113 @@
+"""What every model offers the engine: a packed forward, logits, and its cache declaration.
+
+A model runs on a packed token batch: `forward(input_ids (num_tokens,), positions
+(num_tokens,), ctx) -> hidden (num_tokens, hidden)`, then `compute_logits(hidden)`. It declares
+the per-request state of each Mamba layer and the per-token KV entry of each attention layer in
+a `CacheSpec`, so the engine sizes and allocates caches without reading HF config fields.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from mambaserve.layers.attention import Attention, AttentionCacheShape
+from mambaserve.layers.mamba2 import Mamba2Mixer, MambaStateShape
+
+
+@dataclass
+class CacheSpec:
+    """mamba[i]: state shapes of the i-th Mamba layer (cache index i); attention[j] likewise."""
+
+    mamba: list[MambaStateShape] = field(default_factory=list)
+    attention: list[AttentionCacheShape] = field(default_factory=list)
+
+
+def layer_kinds(config) -> list[str]:
+    """Normalise a hybrid config's layer pattern to a list of "mamba" / "attention".
+
+    Reads `layer_types` or `layers_block_type` (values "mamba"/"linear_attention" or
+    "attention"/"full_attention"), else `attn_layer_indices` (Bamba). Raises ValueError when the
+    pattern is missing or names another kind.
+    """
+    n = config.num_hidden_layers
+    names = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
+    if names is None and getattr(config, "attn_layer_indices", None) is not None:
+        attn = set(config.attn_layer_indices)
+        names = ["attention" if i in attn else "mamba" for i in range(n)]
+    if names is None or len(names) != n:
+        raise ValueError(f"config gives no layer pattern of length {n} (layer_types / attn_layer_indices)")
+    aliases = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
+    try:
+        return [aliases[name] for name in names]
+    except KeyError as e:
+        raise ValueError(f"unknown layer type {e.args[0]!r} in the config's layer pattern") from None
+
+
+def dt_limit(config) -> tuple[float, float]:
+    limit = getattr(config, "time_step_limit", None)
+    if limit is None:
+        return (0.0, math.inf)
+    return (float(limit[0]), float(limit[1]))
+
+
+class HybridForCausalLM(nn.Module):
+    """Common parts: logits, cache declaration, parameter initialisation for dummy weights.
+
+    Subclasses set `self.lm_head` (or tie it), `self.logits_scale` and implement `forward`.
+    """
+
+    logits_scale: float = 1.0
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states: (n, hidden) -> float32 logits (n, vocab_size)."""
+        logits = self.lm_head(hidden_states).float()
+        if self.logits_scale != 1.0:
+            logits = logits / self.logits_scale
+        return logits
+
+    def cache_spec(self) -> CacheSpec:
+        spec = CacheSpec()
+        for m in self.modules():
+            if isinstance(m, Mamba2Mixer):
+                assert m.cache_index == len(spec.mamba), "Mamba cache indices must follow module order"
+                spec.mamba.append(m.state_shape())
+            elif isinstance(m, Attention):
+                assert m.cache_index == len(spec.attention), "attention cache indices must follow module order"
+                spec.attention.append(m.cache_shape())
+        return spec
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights of a realistic scale, for benchmarks without a checkpoint.
+
+        Matrices and embeddings ~ N(0, initializer_range); norms 1; Mamba A = -(1..nheads),
+        D = 1, dt_bias = softplus^-1 of dt log-uniform in [1e-3, 1e-1] (Mamba2's initialisation).
+        """
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "A_log":
+                p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)))
+            elif leaf == "D":
+                p.fill_(1.0)
+            elif leaf == "dt_bias":
+                dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            elif leaf == "bias":
+                p.zero_()
+            else:
+                # Draw on the parameter's device in chunks: fast for multi-GB models on the GPU.
+                g = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
+                p.normal_(0.0, std, generator=g)

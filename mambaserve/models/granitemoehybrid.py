@@ -1,0 +1,113 @@
+"""GraniteMoeHybridForCausalLM (IBM Granite 4.0-H): Mamba2 and attention layers by `layer_types`,
+each followed by a MoE with a shared expert (or the shared dense MLP alone).
+
+Granite's scalings: embeddings times embedding_multiplier, each residual branch times
+residual_multiplier, attention scale attention_multiplier (not 1/sqrt(head_dim)), logits
+divided by logits_scaling. Attention is NoPE or RoPE (position_embedding_type).
+HF names: model.embed_tokens, model.layers.{i}.{input_layernorm, mamba | self_attn,
+post_attention_layernorm, block_sparse_moe.{router.layer, input_linear, output_linear},
+shared_mlp.{input_linear, output_linear}}, model.norm, lm_head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.attention import Attention
+from mambaserve.layers.mamba2 import Mamba2Mixer
+from mambaserve.layers.mlp import FusedGatedMLP
+from mambaserve.layers.moe import GraniteMoE
+from mambaserve.layers.norm import RMSNorm
+from mambaserve.layers.rotary import RotaryEmbedding
+from mambaserve.models.bamba import rope_settings
+from mambaserve.models.base import HybridForCausalLM, dt_limit, layer_kinds
+
+
+class _Layer(nn.Module):
+    def __init__(self, config, kind: str, cache_index: int, rotary: RotaryEmbedding | None):
+        super().__init__()
+        self.kind = kind
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if kind == "mamba":
+            self.mamba = Mamba2Mixer(
+                hidden_size=config.hidden_size,
+                num_heads=config.mamba_n_heads,
+                head_dim=config.mamba_d_head,
+                d_state=config.mamba_d_state,
+                n_groups=config.mamba_n_groups,
+                conv_kernel=config.mamba_d_conv,
+                chunk_size=config.mamba_chunk_size,
+                intermediate_size=int(config.mamba_expand * config.hidden_size),
+                use_conv_bias=config.mamba_conv_bias,
+                use_bias=config.mamba_proj_bias,
+                eps=config.rms_norm_eps,
+                dt_limit=dt_limit(config),
+                cache_index=cache_index,
+            )
+        else:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.self_attn = Attention(
+                hidden_size=config.hidden_size,
+                num_heads=config.num_attention_heads,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=head_dim,
+                scale=float(config.attention_multiplier),
+                bias=config.attention_bias,
+                rotary=rotary,
+                cache_index=cache_index,
+            )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.block_sparse_moe = None
+        if config.num_local_experts > 0:
+            self.block_sparse_moe = GraniteMoE(config.hidden_size, config.intermediate_size,
+                                               config.num_local_experts, config.num_experts_per_tok)
+        self.shared_mlp = FusedGatedMLP(config.hidden_size, config.shared_intermediate_size)
+
+
+class _Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        rotary = None
+        if getattr(config, "position_embedding_type", "nope") == "rope":
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            theta, partial = rope_settings(config)
+            rotary = RotaryEmbedding(head_dim, int(head_dim * partial), theta)
+        layers, n_mamba, n_attn = [], 0, 0
+        for kind in layer_kinds(config):
+            if kind == "mamba":
+                layers.append(_Layer(config, kind, n_mamba, None))
+                n_mamba += 1
+            else:
+                layers.append(_Layer(config, kind, n_attn, rotary))
+                n_attn += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = _Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.embedding_multiplier = float(config.embedding_multiplier)
+        self.residual_multiplier = float(config.residual_multiplier)
+        self.logits_scale = float(config.logits_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids) * self.embedding_multiplier  # (T, hidden)
+        r = self.residual_multiplier
+        for layer in self.model.layers:
+            x = layer.input_layernorm(h)
+            x = layer.mamba(x, ctx) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
+            h = h + x * r
+            x = layer.post_attention_layernorm(h)
+            mlp = layer.shared_mlp(x)
+            if layer.block_sparse_moe is not None:
+                mlp = mlp + layer.block_sparse_moe(x)
+            h = h + mlp * r
+        return self.model.norm(h)

@@ -1,0 +1,59 @@
+"""Mamba2ForCausalLM (Mamba-Codestral): a stack of pre-norm Mamba2 mixers, no attention.
+
+HF names: backbone.embeddings, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.*,
+backbone.norm_f, lm_head (tied to the embeddings when tie_word_embeddings).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.mamba2 import Mamba2Mixer
+from mambaserve.layers.norm import RMSNorm
+from mambaserve.models.base import HybridForCausalLM, dt_limit
+
+
+class _Block(nn.Module):
+    def __init__(self, config, index: int):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mixer = Mamba2Mixer(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_heads,
+            head_dim=config.head_dim,
+            d_state=config.state_size,
+            n_groups=config.n_groups,
+            conv_kernel=config.conv_kernel,
+            chunk_size=config.chunk_size,
+            intermediate_size=int(config.expand * config.hidden_size),
+            use_conv_bias=config.use_conv_bias,
+            use_bias=config.use_bias,
+            eps=config.layer_norm_epsilon,
+            dt_limit=dt_limit(config),
+            cache_index=index,
+        )
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(_Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
+class Mamba2ForCausalLM(HybridForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self.backbone = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.backbone.embeddings(input_ids)  # (T, hidden)
+        for layer in self.backbone.layers:
+            h = h + layer.mixer(layer.norm(h), ctx)
+        return self.backbone.norm_f(h)

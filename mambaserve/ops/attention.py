@@ -1,0 +1,430 @@
+"""Triton paged attention: write K/V into the paged cache, and attend over it.
+
+`reshape_and_cache_triton` copies this step's keys and values into their cache slots.
+`paged_attention_triton` runs one kernel over a packed batch that mixes prefill chunks (causal
+over the cached prefix plus the new tokens) and decodes, reading K/V through block tables.
+
+How the work is split (FlashAttention-2, Dao 2023, for the tiling and the online softmax;
+flash-decoding for the split over the context):
+- A program owns one work item (a sequence and a block of its new tokens) and one kv head. Its
+  tile rows are (token, query head) pairs: the G = num_heads / num_kv_heads query heads that
+  share the kv head are stacked, so each K/V tile is loaded once for all of them, and a decode
+  token (one token, G rows) still fills a 16-row matrix product.
+- When items x kv heads would not fill the GPU (small decode batches), every item's context is
+  cut into NUM_SPLITS ranges, each program writes an unnormalised partial result with its
+  running max and sum, and a second small kernel combines them.
+- The list of work items is built on the host from query_start_loc and seq_lens (one device
+  sync), once per step: it is cached in the caller's `metadata` dict and reused by every
+  attention layer of the step. Items are ordered longest context first so that the causal
+  tail of a long prefill does not run alone at the end.
+
+This module knows nothing about models or the engine; the math is `reference.paged_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["reshape_and_cache_triton", "paged_attention_triton"]
+
+# Below this many programs in the main grid, the context is split (flash-decoding).
+_MIN_TOKENS_PER_SPLIT = 128
+_MAX_SPLITS = 64
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8  # interpreter: small, so that small test batches exercise the split path
+
+
+# --------------------------------------------------------------------------------------------
+# reshape_and_cache
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_kv_heads, head_dim,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # padding token: the cache stays bit-identical
+        return
+    page = slot // PAGE
+    in_page = slot % PAGE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
+    src_k = t.to(tl.int64) * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
+    src_v = t.to(tl.int64) * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
+    dst_k = page * stride_kcb + in_page * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
+    dst_v = page * stride_vcb + in_page * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
+    k = tl.load(k_ptr + src_k, mask=mask)
+    v = tl.load(v_ptr + src_v, mask=mask)
+    tl.store(k_cache_ptr + dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write new K/V rows into the paged cache by slot; slot -1 (padding) is skipped.
+
+    k, v: (num_tokens, num_kv_heads, head_dim), any float dtype, head_dim stride 1 (a slice of
+    a fused qkv projection is fine); k_cache, v_cache: (num_blocks, block_size, num_kv_heads,
+    head_dim), head_dim stride 1, written in place (cast to the cache dtype);
+    slot_mapping: (num_tokens,) int32/int64, slot = block * block_size + offset.
+    Math: `reference.reshape_and_cache`. Raises ValueError on bad shapes or strides.
+    """
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k and v must be (num_tokens, num_kv_heads, head_dim), got {tuple(k.shape)}, {tuple(v.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), got {tuple(k_cache.shape)}")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping must be ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
+    if k.shape[0] == 0:
+        return
+    if k.stride(2) != 1:
+        k = k.contiguous()
+    if v.stride(2) != 1:
+        v = v.contiguous()
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache must have stride 1 along head_dim")
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _reshape_and_cache_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        num_kv_heads, head_dim,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        PAGE=k_cache.shape[1],
+        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# paged attention
+
+
+@triton.jit
+def _attend_kv_tile(
+    q, acc, m_i, l_i, q_pos, start, hi,
+    k_cache_ptr, v_cache_ptr, bt_row_ptr, k_head_off, v_head_off,
+    stride_kb, stride_ks, stride_vb, stride_vs,
+    offs_d, d_mask, qk_scale,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """One online-softmax step over keys start .. start + BLOCK_N (scores in log2 units)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hi
+    if MASKED:
+        page = tl.load(bt_row_ptr + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row_ptr + offs_n // PAGE).to(tl.int64)
+    in_page = offs_n % PAGE
+    k_ptrs = k_cache_ptr + (page * stride_kb + in_page * stride_ks + k_head_off)[:, None] + offs_d[None, :]
+    v_ptrs = v_cache_ptr + (page * stride_vb + in_page * stride_vs + v_head_off)[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (BLOCK_R, BLOCK_N) fp32
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    elif EVEN_D:
+        v = tl.load(v_ptrs)
+    else:
+        v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    p = p.to(v_cache_ptr.dtype.element_ty)
+    if DOT_F32:
+        p = p.to(tl.float32)
+        v = v.to(tl.float32)
+    acc = tl.dot(p, v, acc=acc * alpha[:, None], input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, work_ptr,
+    qk_scale, head_dim,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh, stride_bt,
+    stride_pa_s, stride_pa_t, stride_pa_h, stride_pm_s, stride_pm_t,
+    G: tl.constexpr, TOKENS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    item = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(work_ptr + 2 * item)
+    t0 = tl.load(work_ptr + 2 * item + 1)  # first new token of the block, within the sequence
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix = seq_len - q_len
+
+    # Rows are (token, head) pairs: row r is token t0 + r // G, query head kv_head * G + r % G.
+    offs_r = tl.arange(0, BLOCK_R)
+    tok = t0 + offs_r // G
+    head = kv_head * G + offs_r % G
+    row_valid = (offs_r < TOKENS * G) & (tok < q_len)
+    q_pos = prefix + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+    q_rows = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    n_tok = tl.minimum(q_len - t0, TOKENS)
+    kv_end = prefix + t0 + n_tok  # keys seen by the block's last query
+    kv_all = prefix + t0 + 1  # keys seen by every query of the block: no causal mask needed
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = kv_end
+    else:
+        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, kv_end)
+    mid = tl.maximum(tl.minimum((kv_all // BLOCK_N) * BLOCK_N, hi), lo)
+
+    bt_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
+    k_head_off = kv_head.to(tl.int64) * stride_kh
+    v_head_off = kv_head.to(tl.int64) * stride_vh
+    # A finite start keeps exp2(m_old - m_new) defined for rows that see no key in a tile.
+    m_i = tl.full([BLOCK_R], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, mid, BLOCK_N):
+        acc, m_i, l_i = _attend_kv_tile(
+            q, acc, m_i, l_i, q_pos, start, hi, k_cache_ptr, v_cache_ptr, bt_row_ptr,
+            k_head_off, v_head_off, stride_kb, stride_ks, stride_vb, stride_vs,
+            offs_d, d_mask, qk_scale, PAGE, BLOCK_N, False, EVEN_D, DOT_PREC, DOT_F32)
+    for start in range(mid, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_kv_tile(
+            q, acc, m_i, l_i, q_pos, start, hi, k_cache_ptr, v_cache_ptr, bt_row_ptr,
+            k_head_off, v_head_off, stride_kb, stride_ks, stride_vb, stride_vs,
+            offs_d, d_mask, qk_scale, PAGE, BLOCK_N, True, EVEN_D, DOT_PREC, DOT_F32)
+
+    tok64 = (q_start + tok).to(tl.int64)
+    mask = row_valid[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        o_rows = tok64 * stride_ot + head * stride_oh
+        tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        pa_rows = split * stride_pa_s + tok64 * stride_pa_t + head * stride_pa_h
+        tl.store(part_acc_ptr + pa_rows[:, None] + offs_d[None, :], acc, mask=mask)
+        pm_rows = split * stride_pm_s + tok64 * stride_pm_t + head
+        tl.store(part_m_ptr + pm_rows, m_i, mask=row_valid)
+        tl.store(part_l_ptr + pm_rows, l_i, mask=row_valid)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, head_dim,
+    stride_pa_s, stride_pa_t, stride_pa_h, stride_pm_s, stride_pm_t, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for one (token, head)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    pm = offs_s * stride_pm_s + t * stride_pm_t + h
+    m = tl.load(part_m_ptr + pm, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + pm, mask=s_mask, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))
+    denom = tl.sum(w * l, 0)
+    pa = offs_s[:, None] * stride_pa_s + t * stride_pa_t + h * stride_pa_h + offs_d[None, :]
+    acc = tl.load(part_acc_ptr + pa, mask=s_mask[:, None] & (offs_d[None, :] < head_dim), other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < head_dim)
+
+
+@dataclass
+class AttentionPlan:
+    """Host-side work list of one step, shared by every attention layer of that step.
+
+    work: (num_items, 2) int32 on the device, rows (sequence, first new token of the block),
+    longest context first; tokens: new tokens per block (BLOCK_R // G); num_splits: context
+    ranges per item (1 = no split); num_tokens: query_start_loc[-1].
+    """
+
+    work: torch.Tensor
+    block_r: int
+    tokens: int
+    num_splits: int
+    num_tokens: int
+    max_q_len: int
+
+
+def _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, num_splits):
+    batch = seq_lens.shape[0]
+    host = torch.cat([query_start_loc.reshape(-1).to(torch.int64), seq_lens.to(torch.int64)]).tolist()
+    qsl, lens = host[: batch + 1], host[batch + 1 :]
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(batch)]
+    if any(n < 0 for n in q_lens):
+        raise ValueError("query_start_loc must be non-decreasing")
+    if any(n > s for n, s in zip(q_lens, lens)):
+        raise ValueError("seq_lens must be at least each sequence's number of new tokens")
+    max_blocks = max([-(-s // block_size) for n, s in zip(q_lens, lens) if n > 0], default=0)
+    if max_blocks > block_table.shape[1]:
+        raise ValueError(f"block_table has {block_table.shape[1]} columns, a sequence needs {max_blocks}")
+    max_q = max(q_lens, default=0)
+    # Rows per tile: enough for the longest query block, at least 16 (matrix-unit minimum)
+    # and G (one token), at most 128 (register budget of the fp32 accumulator).
+    block_r = min(max(_next_pow2(max_q * G), 16), 128)
+    block_r = max(block_r, _next_pow2(G))
+    tokens = block_r // G
+    items = []
+    for i, n in enumerate(q_lens):
+        prefix = lens[i] - n
+        for t0 in range(0, n, tokens):
+            items.append((prefix + min(t0 + tokens, n), i, t0))
+    items.sort(key=lambda it: -it[0])
+    if num_splits is None:
+        programs = len(items) * num_kv_heads
+        n_sm = _num_sms(query_start_loc.device)
+        num_splits = 1
+        if 0 < programs < n_sm:
+            max_kv = items[0][0]
+            num_splits = max(1, min(-(-2 * n_sm // programs), -(-max_kv // _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS))
+    flat = [x for _, i, t0 in items for x in (i, t0)]
+    work = torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(query_start_loc.device, non_blocking=True)
+    return AttentionPlan(work, block_r, tokens, int(num_splits), qsl[-1], max_q)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    metadata: dict | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed prefill/decode batch over the paged KV cache, one kernel.
+
+    q: (num_tokens, num_heads, head_dim) float16/bfloat16/float32, head_dim stride 1;
+    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), q's dtype, already
+    holding this step's keys, head_dim stride 1; block_size a power of two >= 8;
+    block_table: (batch, max_blocks_per_seq) int32; seq_lens: (batch,) int32, context length
+    after this step; query_start_loc: (batch + 1,) int32; scale: softmax scale.
+    metadata: the step's dict (the plan is cached in it) or None. num_splits: force the
+    number of context splits (tests); None chooses from the batch.
+    Returns (num_tokens, num_heads, head_dim) in q.dtype; rows past query_start_loc[-1] are
+    left unwritten, as in the reference.
+    Math: softmax(scale * q k^T) v with the causal mask, in float32 (Attention Is All You
+    Need, section 3.2.1), online softmax as in FlashAttention-2; `reference.paged_attention`.
+    Raises ValueError on bad shapes, dtypes or strides.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError("q must be (num_tokens, num_heads, head_dim) and caches (num_blocks, block_size, num_kv_heads, head_dim)")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"cache head_dim {cache_dim} vs q {head_dim}; num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and caches must share a float16/bfloat16/float32 dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("k_cache and v_cache must have stride 1 along head_dim")
+    batch = query_start_loc.numel() - 1
+    if seq_lens.shape != (batch,) or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"seq_lens must be ({batch},) and block_table ({batch}, max_blocks)")
+    if num_splits is not None and not 1 <= num_splits <= 256:
+        raise ValueError(f"num_splits must be in [1, 256], got {num_splits}")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    G = num_heads // num_kv_heads
+
+    key = ("paged_attention", G, num_kv_heads, block_size, num_splits)
+    plan = metadata.get(key) if metadata is not None else None
+    if plan is None:
+        plan = _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, num_splits)
+        if metadata is not None:
+            metadata[key] = plan
+
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_items = plan.work.shape[0]
+    if num_items == 0:
+        return out
+    block_d = max(16, _next_pow2(head_dim))
+    block_n = 64 if block_d <= 128 else 32
+    on_gpu = q.is_cuda
+    if not on_gpu:
+        block_n = 16  # interpreter: more loop trips on small test contexts
+    splits = plan.num_splits
+    if splits > 1:
+        part_acc = torch.empty(splits, plan.num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(splits, plan.num_tokens, num_heads, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    pa_strides = part_acc.stride()[:3] if splits > 1 else (0, 0, 0)
+    pm_strides = part_m.stride()[:2] if splits > 1 else (0, 0)
+    dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    # Triton's interpreter multiplies bfloat16 tiles as raw uint16 (triton 3.9): on the CPU the
+    # dot operands are widened to float32 after the same roundings as on the GPU.
+    _paged_attention_kernel[(num_items, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l,
+        block_table, seq_lens, query_start_loc, plan.work,
+        float(scale) * math.log2(math.e), head_dim,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), block_table.stride(0),
+        *pa_strides, *pm_strides,
+        G=G, TOKENS=plan.tokens, BLOCK_R=plan.block_r, BLOCK_N=block_n, BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim,
+        PAGE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_prec, DOT_F32=not on_gpu,
+        num_warps=8 if plan.block_r >= 128 else 4, num_stages=3 if on_gpu else 1,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(plan.num_tokens, num_heads)](
+            part_acc, part_m, part_l, out, head_dim,
+            *pa_strides, *pm_strides, out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, BLOCK_S=_next_pow2(splits), BLOCK_D=block_d,
+        )
+    return out

@@ -1,0 +1,151 @@
+"""Per-request sampling parameters with vLLM / OpenAI semantics, and the `Logprob` record.
+
+`SamplingParams` is user input: it validates itself on creation and raises `ValueError` with a
+message naming the field. It knows nothing about tokenizers or models: the number of tokens a
+request may produce beyond `max_tokens` (the model's context length) and token ids outside the
+vocabulary are checked by the engine, which knows those limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Temperatures below this are greedy: dividing logits by them would overflow float32.
+_GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one token, as returned beside sampled and prompt tokens.
+
+    logprob: natural-log probability under the model's raw distribution.
+    rank: 1 for the most likely token of the vocabulary, 2 for the next, ...; None if unknown.
+    decoded_token: the token's text, filled by the detokenizer (None until then).
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completion of one prompt.
+
+    n: number of completions to return for the prompt.
+    temperature: softmax temperature; 0 (anything below 1e-5) means greedy decoding.
+    top_p: nucleus sampling; keep the smallest set of most likely tokens whose probability
+        reaches top_p (1.0 = off).
+    top_k: keep the k most likely tokens (0 or -1 = off).
+    min_p: drop tokens whose probability is below min_p times the most likely one's (0 = off).
+    seed: makes this request's sampling reproducible, whatever else is in the batch.
+    presence_penalty, frequency_penalty: OpenAI penalties in [-2, 2] over the tokens generated
+        so far (subtracted from the logit once if present / once per occurrence).
+    repetition_penalty: HF-style multiplicative penalty (> 0, 1 = off) over prompt and output
+        tokens: positive logits are divided by it, negative ones multiplied.
+    stop: strings that end the completion (a str is normalised to a one-item list).
+    stop_token_ids: token ids that end the completion, besides EOS.
+    ignore_eos: keep generating after EOS (stop strings and stop_token_ids still apply).
+    max_tokens: maximum number of generated tokens; None = up to the model's context length.
+    min_tokens: EOS and stop_token_ids cannot be sampled before this many tokens.
+    logprobs: if not None, return the sampled token's logprob and this many top logprobs.
+    prompt_logprobs: if not None, return each prompt token's logprob and this many top ones.
+    skip_special_tokens: leave special tokens out of the detokenized text.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = field(default_factory=list)
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self._validate()
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            setattr(self, name, float(getattr(self, name)))
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "must be an integer >= 1")
+        if not _is_number(self.temperature) or not self.temperature >= 0.0:
+            raise bad("temperature", "must be a number >= 0 (0 = greedy)")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= -1 (0 or -1 = off)")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise bad(name, "must be in [-2, 2]")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "must be > 0 (1 = off)")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise bad("stop", "must be a string or a list of strings")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "must not contain an empty string")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "must be an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"SamplingParams.min_tokens ({self.min_tokens}) must not exceed "
+                f"max_tokens ({self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise bad(name, "must be an integer >= 0 or None")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding is greedy (temperature 0): top-k/top-p/min-p/seed do not matter."""
+        return self.temperature < _GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the repetition, presence or frequency penalties is active."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

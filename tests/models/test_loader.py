@@ -1,0 +1,78 @@
+"""Checkpoint loading: sharded files, tied embeddings, dtypes, dummy weights, and clear errors."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mambaserve.loader import load_model
+from tests.models.tiny import checkpoint
+
+
+def _copy(name, tmp_path):
+    dst = tmp_path / name
+    shutil.copytree(checkpoint(name), dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_like_single_file(tmp_path):
+    src = _copy("bamba", tmp_path)
+    tensors = load_file(src / "model.safetensors")
+    names = sorted(tensors)
+    half = len(names) // 2
+    shards = {"model-00001-of-00002.safetensors": names[:half], "model-00002-of-00002.safetensors": names[half:]}
+    (src / "model.safetensors").unlink()
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: tensors[k].contiguous() for k in keys}, src / file)
+        weight_map.update({k: file for k in keys})
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    a = dict(load_model(checkpoint("bamba")).named_parameters())
+    b = dict(load_model(src).named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tied_embeddings_share_storage():
+    m = load_model(checkpoint("granite-moe"))
+    assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
+    m = load_model(checkpoint("mamba2"))
+    assert m.lm_head.weight.data_ptr() == m.backbone.embeddings.weight.data_ptr()
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):
+    src = _copy("mamba2", tmp_path)
+    tensors = load_file(src / "model.safetensors")
+    name = "backbone.layers.1.mixer.D"
+    save_file({k: v for k, v in tensors.items() if k != name}, src / "model.safetensors")
+    with pytest.raises(ValueError, match="backbone.layers.1.mixer.D"):
+        load_model(src)
+    save_file({**tensors, "backbone.extra.weight": torch.ones(2)}, src / "model.safetensors")
+    with pytest.raises(ValueError, match="backbone.extra.weight"):
+        load_model(src)
+    bad = dict(tensors)
+    bad[name] = torch.ones(7)
+    save_file(bad, src / "model.safetensors")
+    with pytest.raises(ValueError, match=r"backbone.layers.1.mixer.D.*\(7,\)"):
+        load_model(src)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_dtypes_keep_ssm_parameters_in_float32(dtype):
+    m = load_model(checkpoint("bamba"), dtype=dtype)
+    assert m.model.embed_tokens.weight.dtype == getattr(torch, dtype)
+    assert m.model.layers[0].mamba.A_log.dtype == torch.float32
+
+
+def test_dummy_weights_from_a_bare_config(tmp_path):
+    path = tmp_path / "cfg.json"
+    src = json.loads(open(checkpoint("granite-moe") + "/config.json").read())
+    path.write_text(json.dumps(src))
+    m = load_model(path, load_format="dummy", dtype="float32")
+    w = m.model.layers[0].mamba.in_proj.weight
+    assert torch.isfinite(w).all() and 0.005 < float(w.std()) < 0.05
+    with pytest.raises(ValueError, match="dummy"):
+        load_model(path)
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(path, load_format="pt")

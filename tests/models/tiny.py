@@ -1,0 +1,76 @@
+"""Tiny random-weight checkpoints built with transformers itself, for parity and engine tests."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import torch
+
+CONFIGS = {
+    # MoE, NoPE, multipliers != 1, n_groups 2, tied embeddings
+    "granite-moe": dict(
+        arch="GraniteMoeHybrid", vocab_size=211, hidden_size=48, intermediate_size=32, shared_intermediate_size=40,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2,
+        mamba_n_heads=6, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_expand=2, mamba_chunk_size=8,
+        layer_types=["mamba", "attention", "mamba", "attention"], position_embedding_type="nope",
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5,
+        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    # dense shared MLP only, RoPE, untied, n_groups 1
+    "granite-dense-rope": dict(
+        arch="GraniteMoeHybrid", vocab_size=199, hidden_size=32, intermediate_size=32, shared_intermediate_size=56,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, num_local_experts=0, num_experts_per_tok=0,
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8,
+        layer_types=["attention", "mamba", "mamba"], position_embedding_type="rope", attention_multiplier=0.25,
+        embedding_multiplier=1.0, residual_multiplier=1.0, logits_scaling=1.0,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    "bamba": dict(
+        arch="Bamba", vocab_size=203, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=6, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=3, mamba_expand=2, mamba_chunk_size=8, attn_layer_indices=[1],
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    "mamba2": dict(
+        arch="Mamba2", vocab_size=197, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8,
+        n_groups=2, expand=2, chunk_size=8, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    "mamba2-untied": dict(
+        arch="Mamba2", vocab_size=150, hidden_size=24, num_hidden_layers=2, num_heads=3, head_dim=16, state_size=8,
+        n_groups=1, expand=2, chunk_size=8, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+        time_step_limit=(0.01, 0.5),
+    ),
+}
+
+
+def hf_model(name: str, seed: int = 0):
+    """A transformers model of the named tiny config, float32, random weights, eval mode."""
+    import transformers
+
+    kw = dict(CONFIGS[name])
+    arch = kw.pop("arch")
+    config = getattr(transformers, f"{arch}Config")(**kw)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
+    _perturb(model, seed)
+    return model
+
+
+@torch.no_grad()
+def _perturb(model, seed):
+    """Random init leaves norms at 1, D at 1, A at -(1..H): move them so a bug in their use shows."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if p.dim() == 1:
+            p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g)).add_(0.05 * torch.randn(p.shape, generator=g))
+        if name.endswith("dt_bias"):
+            p.copy_(torch.randn(p.shape, generator=g) - 1.0)
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(name: str) -> str:
+    """Path of a saved checkpoint of the tiny config (built once per test session)."""
+    path = tempfile.mkdtemp(prefix=f"mambaserve-{name}-")
+    hf_model(name).save_pretrained(path)
+    return path
