@@ -43,7 +43,8 @@ def load_config(model: str | os.PathLike) -> PretrainedConfig:
     path = Path(model)
     if path.is_file() and path.suffix == ".json":
         with open(path) as f:
-            data = json.load(f)
+            # save_pretrained writes non-finite floats as {"__float__": "Infinity"}
+            data = json.load(f, object_hook=lambda d: float(d["__float__"]) if set(d) == {"__float__"} else d)
         if "model_type" not in data:
             raise ValueError(f"{path} has no model_type")
         return AutoConfig.for_model(**data)
