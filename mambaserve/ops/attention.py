@@ -293,10 +293,15 @@ class AttentionPlan:
     max_q_len: int
 
 
-def _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, num_splits):
+def _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, num_splits, metadata):
     batch = seq_lens.shape[0]
-    host = torch.cat([query_start_loc.reshape(-1).to(torch.int64), seq_lens.to(torch.int64)]).tolist()
-    qsl, lens = host[: batch + 1], host[batch + 1 :]
+    if metadata is not None and "query_start_loc_host" in metadata and "seq_lens_host" in metadata:
+        qsl, lens = list(metadata["query_start_loc_host"]), list(metadata["seq_lens_host"])
+        if len(qsl) != batch + 1 or len(lens) != batch:
+            raise ValueError("metadata's query_start_loc_host / seq_lens_host disagree with the batch")
+    else:  # one device sync per step
+        host = torch.cat([query_start_loc.reshape(-1).to(torch.int64), seq_lens.to(torch.int64)]).tolist()
+        qsl, lens = host[: batch + 1], host[batch + 1 :]
     q_lens = [qsl[i + 1] - qsl[i] for i in range(batch)]
     if any(n < 0 for n in q_lens):
         raise ValueError("query_start_loc must be non-decreasing")
@@ -340,6 +345,7 @@ def paged_attention_triton(
     metadata: dict | None = None,
     *,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed prefill/decode batch over the paged KV cache, one kernel.
 
@@ -348,8 +354,11 @@ def paged_attention_triton(
     holding this step's keys, head_dim stride 1; block_size a power of two >= 8;
     block_table: (batch, max_blocks_per_seq) int32; seq_lens: (batch,) int32, context length
     after this step; query_start_loc: (batch + 1,) int32; scale: softmax scale.
-    metadata: the step's dict (the plan is cached in it) or None. num_splits: force the
-    number of context splits (tests); None chooses from the batch.
+    metadata: the step's dict (the plan is cached in it) or None; when it holds host lists
+    "query_start_loc_host" and "seq_lens_host", the plan is built without a device sync.
+    num_splits: force the
+    number of context splits (tests); None chooses from the batch. out: optional
+    preallocated (num_tokens, num_heads, head_dim) result in q.dtype, head_dim stride 1.
     Returns (num_tokens, num_heads, head_dim) in q.dtype; rows past query_start_loc[-1] are
     left unwritten, as in the reference.
     Math: softmax(scale * q k^T) v with the causal mask, in float32 (Attention Is All You
@@ -382,11 +391,14 @@ def paged_attention_triton(
     key = ("paged_attention", G, num_kv_heads, block_size, num_splits)
     plan = metadata.get(key) if metadata is not None else None
     if plan is None:
-        plan = _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, num_splits)
+        plan = _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, num_splits, metadata)
         if metadata is not None:
             metadata[key] = plan
 
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with stride 1 along head_dim")
     num_items = plan.work.shape[0]
     if num_items == 0:
         return out

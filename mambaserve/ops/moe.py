@@ -1,0 +1,260 @@
+"""Fused mixture of experts: route, two grouped matrix products, weighted combine.
+
+The routed (token, expert) pairs are sorted by expert once (a stable sort, so the result does
+not depend on thread timing); each expert's rows are then a contiguous slice and both expert
+layers are grouped matrix products over those slices:
+- `torch._grouped_mm` (CUTLASS) on CUDA bfloat16 when the installed torch has it and the sizes
+  meet its 16-byte stride rule, with a small Triton kernel for silu(gate) * up between them;
+- otherwise our own Triton grouped GEMM, which gathers the token rows itself, computes the gate
+  and up halves together and applies the SiLU gate in its epilogue. It runs in Triton's
+  interpreter too (CPU tests).
+The top-k outputs of a token are summed back in token order by a gather kernel that adds the
+k terms in a fixed order (deterministic; no atomics). Nothing here syncs with the host.
+
+This module knows nothing about models or routers; the math is `reference.fused_moe`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["fused_moe_triton"]
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, a_rows_ptr, b_ptr, c_ptr, expert_offs_ptr, tile_expert_ptr, tile_first_ptr,
+    N, K, num_n_tiles,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
+    GATHER: tl.constexpr, GATED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """C[rows of e] = A[rows of e] @ B[e]^T for the expert e that owns this row tile.
+
+    GATED: B[e] holds 2N rows, gate then up, and C = silu(A Bg^T) * (A Bu^T).
+    GATHER: A's row r is a_ptr[a_rows[r]] (tokens gathered into expert order on the fly).
+    """
+    pid = tl.program_id(0)
+    pid_m = pid // num_n_tiles
+    pid_n = pid % num_n_tiles
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < 0:  # the grid is sized for the worst case; spare tiles do nothing
+        return
+    row0 = tl.load(expert_offs_ptr + e) + (pid_m - tl.load(tile_first_ptr + e)) * BLOCK_M
+    row_end = tl.load(expert_offs_ptr + e + 1)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    r_mask = rows < row_end
+    if GATHER:
+        a_rows = tl.load(a_rows_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+    else:
+        a_rows = rows.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_mask = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + e.to(tl.int64) * stride_be + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k + k0 < K
+        a = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & c_mask[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc=acc, input_precision=DOT_PREC)
+        if GATED:
+            bu = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & c_mask[None, :], other=0.0)
+            if DOT_F32:
+                bu = bu.to(tl.float32)
+            acc_up = tl.dot(a, bu, acc=acc_up, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=r_mask[:, None] & c_mask[None, :])
+
+
+@triton.jit
+def _silu_mul_kernel(h_ptr, out_ptr, inter, stride_h, stride_o, BLOCK: tl.constexpr):
+    """out[r] = silu(h[r, :inter]) * h[r, inter:] in float32."""
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(h_ptr + r * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(h_ptr + r * stride_h + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * stride_o + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_y, stride_o,
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum_k w[t, k] * y[inv[t, k]], the k terms added in order, in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        row = tl.load(inv_ptr + t * TOP_K + k).to(tl.int64)
+        w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
+        acc += w * tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int):
+    """Sort the (token, k) pairs by expert. Returns token_of (M,) int32 (source token of each
+    sorted row), inv (M,) int64 (sorted row of each pair, in (token, k) order) and offs
+    (E + 1,) int64 (expert e owns sorted rows offs[e]:offs[e + 1])."""
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    sorted_ids, order = torch.sort(flat, stable=True)
+    experts = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
+    offs = torch.searchsorted(sorted_ids, experts)  # (E + 1,)
+    token_of = (order // top_k).to(torch.int32)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return token_of, inv, offs
+
+
+def _tile_map(offs: torch.Tensor, num_rows: int, block_m: int):
+    """Row tiles of BLOCK_M rows that never straddle two experts, computed on the device.
+    Returns tile_expert (max_tiles,) int32 (-1 = spare), tile_first (E,) int32, max_tiles."""
+    num_experts = offs.numel() - 1
+    counts = offs[1:] - offs[:-1]
+    tiles = (counts + block_m - 1) // block_m
+    tiles_end = torch.cumsum(tiles, 0)
+    # sum_e ceil(c_e / BM) <= M / BM + (number of non-empty experts)
+    max_tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
+    ids = torch.arange(max_tiles, device=offs.device, dtype=tiles_end.dtype)
+    tile_expert = torch.searchsorted(tiles_end, ids, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    return tile_expert, (tiles_end - tiles).to(torch.int32), max_tiles
+
+
+def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype):
+    """Triton grouped GEMM: (num_rows, N) = A[rows] @ B[e]^T by expert slices of offs.
+
+    a: (*, K), stride 1 on K; a_rows: (num_rows,) int32 rows of a in expert order, or None when
+    a is already in that order; b: (E, N or 2N when gated, K), stride 1 on K.
+    """
+    K = a.shape[1]
+    N = b.shape[1] // 2 if gated else b.shape[1]
+    out = torch.empty(num_rows, N, dtype=out_dtype, device=a.device)
+    on_gpu = a.is_cuda
+    avg = num_rows / max(1, b.shape[0])
+    if on_gpu:
+        block_m = 16 if avg <= 16 else 32 if avg <= 32 else 64 if avg <= 64 else 128
+        block_n = 64 if gated else 128
+        block_k = 64
+        num_warps = 8 if block_m >= 64 else 4
+    else:
+        block_m, block_n, block_k, num_warps = 16, 32, 32, 4
+    tile_expert, tile_first, max_tiles = _tile_map(offs, num_rows, block_m)
+    num_n_tiles = triton.cdiv(N, block_n)
+    _grouped_gemm_kernel[(max_tiles * num_n_tiles,)](
+        a, a_rows if a_rows is not None else offs, b, out, offs, tile_expert, tile_first,
+        N, K, num_n_tiles,
+        a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+        GATHER=a_rows is not None, GATED=gated,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
+        # Triton's interpreter multiplies bfloat16 tiles as raw uint16 (triton 3.9).
+        DOT_F32=not on_gpu,
+        num_warps=num_warps, num_stages=3 if on_gpu else 1,
+    )
+    return out
+
+
+def _grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch._grouped_mm needs CUDA bf16 and 16-byte (8-element) aligned strides and pointers."""
+    return (
+        _HAS_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16
+        and w1.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16
+        and x.shape[1] % 8 == 0 and w2.shape[2] % 8 == 0
+        and w1.is_contiguous() and w2.is_contiguous()
+        and w1.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0
+    )
+
+
+def fused_moe_triton(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    impl: str | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SiLU-gated mixture of experts over top-k routed tokens, as grouped matrix products.
+
+    hidden_states: (num_tokens, hidden) float32/float16/bfloat16; w1: (num_experts,
+    2 * inter, hidden), gate rows then up rows; w2: (num_experts, hidden, inter), both in
+    hidden_states' dtype; topk_weights: (num_tokens, top_k) float; topk_ids: (num_tokens,
+    top_k) int, values in [0, num_experts) (not checked: that would sync the host).
+    impl: None chooses ("grouped_mm" where usable, else "triton"); tests and benchmarks force one.
+    out: optional preallocated (num_tokens, hidden) result in hidden_states' dtype, stride 1.
+    Returns (num_tokens, hidden) in hidden_states' dtype.
+    Math: out[t] = sum_k w[t, k] * w2[e] (silu(g) * u), [g; u] = w1[e] x_t, e = ids[t, k]
+    (Shazeer et al. 2017 top-k routing, GLU variants: Shazeer 2020); `reference.fused_moe`.
+    Raises ValueError on bad shapes or dtypes.
+    """
+    if hidden_states.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError("hidden_states must be (num_tokens, hidden), w1 and w2 (num_experts, ., .)")
+    num_tokens, hidden = hidden_states.shape
+    num_experts, two_inter, _ = w1.shape
+    inter = two_inter // 2
+    if w1.shape[2] != hidden or two_inter % 2 or w2.shape != (num_experts, hidden, inter):
+        raise ValueError(f"w1 must be (E, 2 * inter, {hidden}) and w2 (E, {hidden}, inter), got {tuple(w1.shape)}, {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids and topk_weights must be ({num_tokens}, top_k)")
+    if topk_ids.dtype.is_floating_point:
+        raise ValueError("topk_ids must be an integer tensor")
+    if w1.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
+        raise ValueError(f"w1, w2 must have hidden_states' dtype {hidden_states.dtype}, got {w1.dtype}, {w2.dtype}")
+    if impl not in (None, "grouped_mm", "triton"):
+        raise ValueError(f"impl must be None, 'grouped_mm' or 'triton', got {impl!r}")
+    if impl == "grouped_mm" and not _grouped_mm_usable(hidden_states, w1, w2):
+        raise ValueError("torch._grouped_mm is not usable here (needs CUDA bf16, sizes multiple of 8)")
+    top_k = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
+    elif out.shape != hidden_states.shape or out.dtype != hidden_states.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be {tuple(hidden_states.shape)} {hidden_states.dtype} with stride 1 along hidden")
+    if num_tokens == 0 or top_k == 0:
+        return out.zero_()
+    if impl is None:
+        impl = "grouped_mm" if _grouped_mm_usable(hidden_states, w1, w2) else "triton"
+
+    x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
+    w1 = w1 if w1.stride(2) == 1 else w1.contiguous()
+    w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    num_rows = num_tokens * top_k
+    token_of, inv, offs = _route(topk_ids, num_experts)
+    if impl == "grouped_mm":
+        offs_end = offs[1:].to(torch.int32)  # cumulative group ends, as _grouped_mm takes them
+        x_sorted = x[token_of]  # (M, hidden)
+        h = torch._grouped_mm(x_sorted, w1.transpose(1, 2), offs=offs_end)  # (M, 2 * inter)
+        act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
+        block = min(1024, _next_pow2(inter))
+        _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](h, act, inter, h.stride(0), act.stride(0), BLOCK=block)
+        y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs_end)  # (M, hidden)
+    else:
+        act = _grouped_gemm(x, token_of, w1, offs, num_rows, True, x.dtype)  # (M, inter)
+        y = _grouped_gemm(act, None, w2, offs, num_rows, False, x.dtype)  # (M, hidden)
+
+    weights = topk_weights.contiguous()
+    block = min(1024, _next_pow2(hidden))
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, inv, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block)
+    return out

@@ -1,0 +1,101 @@
+"""Triton fused MoE against the PyTorch reference.
+
+Routing is skewed on purpose: some experts get many rows, some one, some none. CPU runs go
+through Triton's interpreter (small shapes); the GPU cases skip without CUDA and also check
+the torch._grouped_mm path.
+"""
+
+import pytest
+import torch
+
+from mambaserve import ops
+from mambaserve.ops import reference
+from mambaserve.ops.moe import _HAS_GROUPED_MM, fused_moe_triton
+from tests.conftest import HAS_CUDA, nan_empty, rel_err, tolerance
+
+# Triton runs on CUDA tensors when there is a GPU, else on CPU tensors through the interpreter.
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def _make(num_tokens, hidden, inter, num_experts, top_k, dtype, device, empty_experts=2):
+    """Weights, inputs and an uneven top-k routing in which `empty_experts` experts get no row."""
+    x = torch.randn(num_tokens, hidden, device=device).to(dtype)
+    w1 = (torch.randn(num_experts, 2 * inter, hidden, device=device) / hidden**0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter, device=device) / inter**0.5).to(dtype)
+    popularity = torch.rand(num_experts, device=device) ** 4 + 1e-3  # heavy-tailed loads
+    popularity[torch.randperm(num_experts, device=device)[:empty_experts]] = 0.0
+    topk_ids = torch.multinomial(popularity.expand(num_tokens, -1), top_k, replacement=False)
+    topk_weights = torch.rand(num_tokens, top_k, device=device).softmax(-1)
+    return x, w1, w2, topk_weights, topk_ids
+
+
+def _ref(x, w1, w2, tw, ti):
+    up = torch.float64 if x.device.type == "cpu" else torch.float32
+    return reference.fused_moe(x.to(up), w1.to(up), w2.to(up), tw.to(up), ti)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 6])
+@pytest.mark.parametrize("num_tokens", [1, 37])
+def test_fused_moe_uneven_loads(dtype, top_k, num_tokens):
+    x, w1, w2, tw, ti = _make(num_tokens, 48, 40, 10, top_k, dtype, DEVICE)
+    with ops.backend("triton"):
+        out = ops.fused_moe(x, w1, w2, tw, ti)
+    assert out.shape == x.shape and out.dtype == dtype
+    assert rel_err(out, _ref(x, w1, w2, tw, ti)) < tolerance(dtype)
+
+
+def test_fused_moe_triton_path_nan_poisoned_out_and_odd_sizes():
+    """Sizes that are not multiples of any block; one expert takes most of the rows."""
+    x, w1, w2, tw, ti = _make(29, 40, 24, 7, 2, torch.float32, DEVICE, empty_experts=3)
+    ti[: 20, 0] = 5
+    ti[: 20, 1] = torch.where(ti[:20, 1] == 5, 6, ti[:20, 1])
+    out = nan_empty(*x.shape, device=DEVICE)
+    fused_moe_triton(x, w1, w2, tw, ti, impl="triton", out=out)
+    assert rel_err(out, _ref(x, w1, w2, tw, ti)) < tolerance(torch.float32)
+
+
+def test_fused_moe_int32_ids_and_no_tokens():
+    x, w1, w2, tw, ti = _make(5, 32, 16, 4, 2, torch.float32, DEVICE)
+    out = fused_moe_triton(x, w1, w2, tw, ti.to(torch.int32))
+    assert rel_err(out, _ref(x, w1, w2, tw, ti)) < tolerance(torch.float32)
+    empty = fused_moe_triton(x[:0], w1, w2, tw[:0], ti[:0])
+    assert empty.shape == (0, 32)
+
+
+def test_fused_moe_rejects_bad_input():
+    x, w1, w2, tw, ti = _make(3, 32, 16, 4, 2, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="w1"):
+        fused_moe_triton(x, w1[:, :-1], w2, tw, ti)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe_triton(x, w1.double(), w2, tw, ti)
+    with pytest.raises(ValueError, match="grouped_mm"):
+        fused_moe_triton(x, w1, w2, tw, ti, impl="grouped_mm")  # float32 on CPU
+
+
+# ---- GPU only: model-sized shapes ---------------------------------------------------------
+
+
+GPU_IMPLS = ["triton"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
+
+
+@gpu
+@pytest.mark.parametrize("impl", GPU_IMPLS)
+@pytest.mark.parametrize("num_tokens", [1, 256, 3000])
+def test_fused_moe_granite_shapes_gpu(impl, num_tokens):
+    """granite-4.0-tiny-preview: hidden 1536, 62 experts, top-6, intermediate 512, bf16."""
+    x, w1, w2, tw, ti = _make(num_tokens, 1536, 512, 62, 6, torch.bfloat16, "cuda", empty_experts=5)
+    out = torch.full_like(x, float("nan"))
+    fused_moe_triton(x, w1, w2, tw, ti, impl=impl, out=out)
+    assert rel_err(out, _ref(x, w1, w2, tw, ti)) < tolerance(torch.bfloat16)
+    again = fused_moe_triton(x, w1, w2, tw, ti, impl=impl)
+    assert torch.equal(out, again), "fused_moe is not deterministic"
+
+
+@gpu
+def test_fused_moe_float32_gpu_is_not_tf32():
+    x, w1, w2, tw, ti = _make(100, 64, 48, 8, 3, torch.float32, "cuda")
+    out = fused_moe_triton(x, w1, w2, tw, ti)
+    ref = reference.fused_moe(x.double(), w1.double(), w2.double(), tw.double(), ti)
+    assert rel_err(out, ref) < tolerance(torch.float32)
