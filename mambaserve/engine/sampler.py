@@ -22,6 +22,7 @@ and sampling params, and creates `seq.generator` on first use.
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
@@ -144,14 +145,15 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     logit is > 0, else logit * r. Then, over output tokens with count c:
     logit -= frequency_penalty * c + presence_penalty * (c > 0).
     """
-    batch, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
     params = [s.sampling_params for s in seqs]
     logits = logits.clone()
 
     rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep_rows:
-        seen = _token_counts([seqs[i].all_token_ids for i in rep_rows], vocab, device) > 0
+        token_lists = [(seqs[i].prompt_token_ids, seqs[i].output_token_ids) for i in rep_rows]
+        seen = _token_counts(token_lists, vocab, device) > 0
         r = [params[i].repetition_penalty for i in rep_rows]
         r = _to_device(r, device, torch.float32).unsqueeze(1)  # (rows, 1)
         index = _to_device(rep_rows, device)
@@ -163,7 +165,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
     ]
     if pen_rows:
-        counts = _token_counts([seqs[i].output_token_ids for i in pen_rows], vocab, device)
+        counts = _token_counts([(seqs[i].output_token_ids,) for i in pen_rows], vocab, device)
         freq = _to_device([params[i].frequency_penalty for i in pen_rows], device, torch.float32)
         pres = _to_device([params[i].presence_penalty for i in pen_rows], device, torch.float32)
         index = _to_device(pen_rows, device)
@@ -178,7 +180,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     logits: (batch, vocab). Returns a new tensor. Ties at the k-th value are resolved by sort
     order (exactly k tokens stay).
     """
-    batch, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (batch, vocab) each
     positions = torch.arange(vocab, device=device).unsqueeze(0)  # (1, vocab)
@@ -232,18 +234,26 @@ def _to_device(values: list, device: torch.device, dtype=torch.int64) -> torch.T
     return host.to(device, non_blocking=True)
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """(len(token_lists), vocab) float32 occurrence counts; ids >= vocab are ignored."""
-    width = max(1, max(len(t) for t in token_lists))
-    padded = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
-    for i, tokens in enumerate(token_lists):
-        padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64).clamp_(max=vocab)
-    if device.type == "cuda":
-        padded = padded.pin_memory()
-    padded = padded.to(device, non_blocking=True)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)  # last column: padding
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
-    return counts[:, :vocab]
+def _token_counts(token_lists: list[tuple[list[int], ...]], vocab: int, device) -> torch.Tensor:
+    """(len(token_lists), vocab) float32 occurrence counts of the tokens in each row's lists;
+    ids >= vocab are ignored. The host work is one pass over the ids and one transfer."""
+    rows = len(token_lists)
+    counts = torch.zeros(rows * (vocab + 1), device=device)  # column `vocab` catches bad ids
+    flat = array.array("q")
+    lengths = []
+    for parts in token_lists:
+        for part in parts:
+            flat.extend(part)
+        lengths.append(sum(len(part) for part in parts))
+    if len(flat):
+        tokens = torch.frombuffer(flat, dtype=torch.int64).clamp(0, vocab)
+        row_ids = torch.repeat_interleave(torch.arange(rows), torch.tensor(lengths))
+        index = row_ids * (vocab + 1) + tokens  # (num_ids,) flat position in counts
+        if device.type == "cuda":
+            index = index.pin_memory()
+        index = index.to(device, non_blocking=True)
+        counts.scatter_add_(0, index, torch.ones_like(index, dtype=counts.dtype))
+    return counts.view(rows, vocab + 1)[:, :vocab]
 
 
 def _logprob_dicts(

@@ -123,6 +123,16 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    def get_token_ids(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (a decode step needs one
+        token of a possibly long context)."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
