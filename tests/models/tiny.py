@@ -10,7 +10,7 @@ import torch
 CONFIGS = {
     # MoE, NoPE, multipliers != 1, n_groups 2, tied embeddings
     "granite-moe": dict(
-        arch="GraniteMoeHybrid", vocab_size=211, hidden_size=48, intermediate_size=32, shared_intermediate_size=40,
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=211, hidden_size=48, intermediate_size=32, shared_intermediate_size=40,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2,
         mamba_n_heads=6, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_expand=2, mamba_chunk_size=8,
         layer_types=["mamba", "attention", "mamba", "attention"], position_embedding_type="nope",
@@ -19,7 +19,7 @@ CONFIGS = {
     ),
     # dense shared MLP only, RoPE, untied, n_groups 1
     "granite-dense-rope": dict(
-        arch="GraniteMoeHybrid", vocab_size=199, hidden_size=32, intermediate_size=32, shared_intermediate_size=56,
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=199, hidden_size=32, intermediate_size=32, shared_intermediate_size=56,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, num_local_experts=0, num_experts_per_tok=0,
         mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8,
         layer_types=["attention", "mamba", "mamba"], position_embedding_type="rope", attention_multiplier=0.25,
@@ -27,17 +27,17 @@ CONFIGS = {
         tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
     "bamba": dict(
-        arch="Bamba", vocab_size=203, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        arch="Bamba", initializer_range=0.2, vocab_size=203, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=6, mamba_d_head=16, mamba_d_state=8,
         mamba_n_groups=3, mamba_expand=2, mamba_chunk_size=8, attn_layer_indices=[1],
         tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
     "mamba2": dict(
-        arch="Mamba2", vocab_size=197, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8,
+        arch="Mamba2", initializer_range=0.3, vocab_size=197, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8,
         n_groups=2, expand=2, chunk_size=8, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
     "mamba2-untied": dict(
-        arch="Mamba2", vocab_size=150, hidden_size=24, num_hidden_layers=2, num_heads=3, head_dim=16, state_size=8,
+        arch="Mamba2", initializer_range=0.3, vocab_size=150, hidden_size=24, num_hidden_layers=2, num_heads=3, head_dim=16, state_size=8,
         n_groups=1, expand=2, chunk_size=8, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
         time_step_limit=(0.01, 0.5),
     ),

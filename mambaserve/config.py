@@ -1,0 +1,97 @@
+"""Engine configuration: one dataclass, validated on creation (ValueError on bad values).
+
+Field names follow vLLM's `EngineArgs` so its users find what they expect.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+COMPILATION_MODES = ("eager", "piecewise", "full_and_piecewise")
+
+
+def default_model() -> str:
+    """The bundled demo checkpoint (a small trained Granite 4.0-H-style hybrid)."""
+    return str(Path(__file__).parent / "assets" / "demo-model")
+
+
+@dataclass
+class EngineConfig:
+    """model: checkpoint directory (or a bare config .json with load_format="dummy").
+    tokenizer: directory of the tokenizer (default: the model's). dtype: "auto", "float32",
+    "bfloat16", "float16". device: "auto" (CUDA when present), "cuda", "cpu".
+    max_model_len: longest prompt + output in tokens (default: the model's limit, clamped to
+    what the cache can hold). max_num_seqs: most running requests (clamped to the state slots
+    that fit). max_num_batched_tokens: token budget of one step (default 8192 on GPU, 2048 on
+    CPU). block_size: tokens per KV block. gpu_memory_utilization: fraction of GPU memory the
+    engine may use in all (weights, activations, caches). cpu_cache_bytes: byte budget of the
+    caches on the CPU. num_kv_blocks / num_state_slots: force the pool sizes (tests).
+    mamba_ssm_cache_dtype: dtype of the SSM state ("float32" default, or "auto" = model dtype).
+    compilation_mode: "eager", "piecewise" or "full_and_piecewise" (GPU default);
+    enforce_eager=True forces "eager". cuda_graph_sizes: decode batch sizes to capture.
+    """
+
+    model: str = field(default_factory=default_model)
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_cache_bytes: int = 1 << 30
+    num_kv_blocks: int | None = None
+    num_state_slots: int | None = None
+    mamba_ssm_cache_dtype: str = "float32"
+    enforce_eager: bool = False
+    compilation_mode: str | None = None
+    cuda_graph_sizes: list[int] | None = None
+    skip_tokenizer_init: bool = False
+    max_queue_len: int | None = None
+
+    def __post_init__(self):
+        self.model = os.fspath(self.model)
+        if not os.path.exists(self.model):
+            raise ValueError(f"model path {self.model!r} does not exist")
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"mamba_ssm_cache_dtype must be auto/float32/bfloat16/float16, got {self.mamba_ssm_cache_dtype!r}")
+        if self.compilation_mode is not None and self.compilation_mode not in COMPILATION_MODES:
+            raise ValueError(f"compilation_mode must be one of {COMPILATION_MODES}, got {self.compilation_mode!r}")
+        for name in ("num_kv_blocks", "num_state_slots"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.cuda_graph_sizes is not None and any(int(s) < 1 for s in self.cuda_graph_sizes):
+            raise ValueError("cuda_graph_sizes must be positive")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but no CUDA device is available")
+        return self.device
+
+    def resolved_compilation_mode(self) -> str:
+        if self.enforce_eager or self.resolved_device() != "cuda":
+            return "eager"
+        return self.compilation_mode or "full_and_piecewise"

@@ -1,0 +1,262 @@
+"""The engine loop: add requests, step, abort. Offline `LLM.generate`, the server and the
+benchmarks all drive this one `step()`.
+
+A step reads like a paragraph: schedule, run the model, sample, update the sequences (tokens,
+detokenised text, stop conditions), free what finished, and report outputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mambaserve.cache.block_pool import BlockPool
+from mambaserve.cache.state_pool import StateSlotPool
+from mambaserve.config import EngineConfig
+from mambaserve.engine.detokenizer import DecodeState, Detokenizer
+from mambaserve.engine.model_runner import ModelRunner
+from mambaserve.engine.sampler import Sampler, prompt_logprobs
+from mambaserve.engine.scheduler import Scheduler
+from mambaserve.engine.sequence import Sequence, SequenceStatus
+from mambaserve.outputs import CompletionOutput, RequestOutput
+from mambaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("mambaserve")
+
+
+@dataclass
+class _Request:
+    """A user request: its n sequences (one per completion) and shared prompt data."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    decode: list[DecodeState] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finished_reported: bool = False
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model. Not thread-safe: drive it from one thread."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            except Exception as e:  # noqa: BLE001 - transformers raises many kinds
+                raise ValueError(f"could not load a tokenizer from {config.tokenizer or config.model!r} "
+                                 f"(use skip_tokenizer_init=True for token ids only): {e}") from e
+        self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.eos_token_ids = self._eos_ids()
+        self.max_model_len = self.runner.max_model_len
+        self.slot_pool = StateSlotPool(self.runner.num_slots - 1)  # the last slot is the scratch slot
+        self.block_pool = BlockPool(self.runner.num_blocks, config.block_size) if self.runner.has_attention else None
+        self.scheduler = Scheduler(
+            max_num_seqs=self.runner.max_num_seqs,
+            max_num_batched_tokens=self.runner.max_num_batched_tokens,
+            slot_pool=self.slot_pool, block_pool=self.block_pool,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.sampler = Sampler(self.eos_token_ids or None)
+        self.requests: dict[str, _Request] = {}
+        self._seq_owner: dict[str, tuple[_Request, int]] = {}
+        self._counter = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.runner.model.config, "eos_token_id", None)
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): pass prompt_token_ids")
+        return self.tokenizer(prompt)["input_ids"]
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | dict | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request: a text prompt, a list of token ids, or {"prompt_token_ids": [...]}
+        (vLLM's TokensPrompt). Returns its request id. Raises ValueError (engine unchanged) for
+        an empty prompt, token ids outside the vocabulary, a prompt that leaves no room within
+        max_model_len, or a request id already in use."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._counter)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._parse_prompt(prompt)
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(prompt plus at least one generated token)")
+        if self.config.max_queue_len is not None and self.scheduler.num_waiting >= self.config.max_queue_len:
+            raise RuntimeError("the request queue is full")
+        now = time.time() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            p = params
+            if params.n > 1 and params.seed is not None:
+                p = dataclasses.replace(params, seed=params.seed + i)
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seqs.append(Sequence(seq_id, prompt_token_ids=token_ids, sampling_params=p, prompt=text, arrival_time=now))
+        req = _Request(request_id, text, list(token_ids), params, seqs, [DecodeState() for _ in seqs], now)
+        self.requests[request_id] = req
+        for i, seq in enumerate(seqs):
+            self._seq_owner[seq.request_id] = (req, i)
+            self.scheduler.add(seq)
+        return request_id
+
+    def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenize(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenize(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request and free its slots and blocks. Returns False for an unknown id."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq.request_id)
+            self._seq_owner.pop(seq.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs of requests that advanced or finished."""
+        sched = self.scheduler.schedule()
+        self.stats["preemptions"] += len(sched.preempted)
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched.scheduled)
+        sampled = self.sampler(result.sample_logits, result.sample_seqs) if result.sample_seqs else None
+        touched: dict[str, _Request] = {}
+        for s in sched.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            req, _ = self._seq_owner[s.seq.request_id]
+            touched[req.request_id] = req
+            if s.seq.request_id in result.prompt_logits:
+                self._store_prompt_logprobs(s.seq, *result.prompt_logits[s.seq.request_id])
+        self.stats["prompt_tokens"] += sum(s.num_new_tokens for s in sched.scheduled if s.seq.num_output_tokens == 0)
+        self.stats["steps"] += 1
+        if sampled is not None:
+            now = time.time()
+            for seq, token, lps in zip(result.sample_seqs, sampled.token_ids, sampled.logprobs):
+                req, idx = self._seq_owner[seq.request_id]
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                seq.append_token(token, lps)
+                self.stats["generation_tokens"] += 1
+                self._update_text_and_stop(req, idx, seq, token)
+        return [self._output(req) for req in touched.values()]
+
+    def _store_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        n = seq.num_prompt_tokens
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * n
+        nxt = seq.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
+        for j, d in enumerate(prompt_logprobs(logits, nxt, seq.sampling_params.prompt_logprobs)):
+            if self.tokenizer is not None:
+                for tok, lp in d.items():
+                    lp.decoded_token = self.tokenizer.convert_ids_to_tokens(tok)
+            seq.prompt_logprobs[start + 1 + j] = d
+
+    def _update_text_and_stop(self, req: _Request, idx: int, seq: Sequence, token: int) -> None:
+        p = seq.sampling_params
+        state = req.decode[idx]
+        if self.detokenizer is not None:
+            self.detokenizer.step(state, seq.output_token_ids, p.skip_special_tokens)
+            if seq.output_logprobs and seq.output_logprobs[-1]:
+                for tok, lp in seq.output_logprobs[-1].items():
+                    lp.decoded_token = self.tokenizer.decode([tok])
+        status = None
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif token in p.stop_token_ids:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+            elif p.stop and self.detokenizer is not None:
+                cut = self._find_stop(state.text, p, len(state.text) - 64)
+                if cut is not None:
+                    stop, pos = cut
+                    state.text = state.text[: pos + (len(stop) if p.include_stop_str_in_output else 0)]
+                    status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        if status is None and (seq.num_output_tokens >= (p.max_tokens or self.max_model_len)
+                               or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            seq.finish_reason = "stop" if status == SequenceStatus.FINISHED_STOPPED else "length"
+
+    @staticmethod
+    def _find_stop(text: str, p: SamplingParams, search_from: int):
+        best = None
+        for stop in p.stop:
+            i = text.find(stop, max(0, search_from - len(stop)))
+            if i >= 0 and (best is None or i < best[1]):
+                best = (stop, i)
+        return best
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for i, seq in enumerate(req.seqs):
+            lps = seq.output_logprobs if seq.sampling_params.logprobs is not None else None
+            cum = None
+            if lps is not None:
+                cum = float(sum(d[t].logprob for d, t in zip(lps, seq.output_token_ids) if d and t in d))
+            outs.append(CompletionOutput(
+                index=i, text=req.decode[i].text, token_ids=list(seq.output_token_ids), cumulative_logprob=cum,
+                logprobs=lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+        finished = all(s.is_finished for s in req.seqs)
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time}
+        out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.seqs[0].prompt_logprobs, outs,
+                            finished, metrics)
+        if finished:
+            self.requests.pop(req.request_id, None)
+            for seq in req.seqs:
+                self._seq_owner.pop(seq.request_id, None)
+        return out

@@ -1,0 +1,180 @@
+"""The model runner: owns the model and its caches, turns a scheduled batch into logits.
+
+Per step it builds the `ForwardContext` once (decodes first, then prefill chunks), runs one
+forward over the packed tokens and computes logits only for the rows that need them: the last
+token of every sequence that reaches its end in this step (to sample from), and every prompt
+row of sequences that asked for prompt logprobs. It sizes the state slot pool and the KV block
+pool together from a memory budget. It knows nothing of sampling or stopping.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mambaserve.cache.tensors import allocate_caches, bytes_per_block, bytes_per_slot
+from mambaserve.config import EngineConfig
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.engine.scheduler import ScheduledSequence
+from mambaserve.loader import DTYPES, load_model
+
+logger = logging.getLogger("mambaserve")
+
+
+@dataclass
+class StepLogits:
+    """sample_logits: (num_sampled, vocab) float32 for `sample_seqs` (same order).
+    prompt_logits: per sequence id, (n, vocab) float32 logits of its prompt rows in this step,
+    with the absolute position of the first row."""
+
+    sample_seqs: list
+    sample_logits: torch.Tensor
+    prompt_logits: dict[str, tuple[int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.resolved_device())
+        t0 = time.perf_counter()
+        self.model = load_model(config.model, dtype=config.dtype, device=self.device,
+                                load_format=config.load_format, seed=config.seed)
+        self.dtype = self.model.lm_head.weight.dtype
+        self.ssm_dtype = self.dtype if config.mamba_ssm_cache_dtype == "auto" else DTYPES[config.mamba_ssm_cache_dtype]
+        self.spec = self.model.cache_spec()
+        self.has_attention = bool(self.spec.attention)
+        self.block_size = config.block_size
+        self.vocab_size = self.model.config.vocab_size
+        logger.info("loaded %s in %.1f s", type(self.model).__name__, time.perf_counter() - t0)
+        self._size_caches()
+        self.caches = allocate_caches(self.spec, num_slots=self.num_slots, num_blocks=max(self.num_blocks, 1),
+                                      block_size=self.block_size, dtype=self.dtype, ssm_dtype=self.ssm_dtype,
+                                      device=self.device)
+
+    # ---------------------------------------------------------------- sizing
+    def _cache_budget(self) -> int:
+        if self.device.type != "cuda":
+            return self.config.cpu_cache_bytes
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        activations = self._profile_activation_bytes()
+        return int(total * self.config.gpu_memory_utilization) - used_by_others - weights - activations
+
+    def _profile_activation_bytes(self) -> int:
+        """Peak memory of one forward at the full token budget (one prefill sequence) over the weights."""
+        n = self.max_num_batched_tokens
+        tiny = allocate_caches(self.spec, num_slots=1, num_blocks=-(-n // self.block_size) if self.has_attention else 1,
+                               block_size=self.block_size, dtype=self.dtype, ssm_dtype=self.ssm_dtype, device=self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ctx = ForwardContext.build(query_lens=[n], seq_lens=[n], state_indices=[0], has_initial_state=[False],
+                                   block_tables=[list(range(-(-n // self.block_size)))] if self.has_attention else None,
+                                   block_size=self.block_size, device=self.device,
+                                   mamba_caches=tiny.mamba, kv_caches=tiny.kv)
+        with torch.inference_mode():
+            ids = torch.randint(0, self.vocab_size, (n,), device=self.device)
+            hidden = self.model(ids, torch.arange(n, device=self.device), ctx)
+            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del tiny, ctx, hidden
+        torch.cuda.empty_cache()
+        return int(peak * 1.2) + (256 << 20)
+
+    def _size_caches(self) -> None:
+        cfg = self.config
+        on_gpu = self.device.type == "cuda"
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens or (8192 if on_gpu else 2048)
+        model_limit = getattr(self.model.config, "max_position_embeddings", None) or (1 << 20)
+        max_model_len = cfg.max_model_len or model_limit
+        budget = self._cache_budget()
+        slot_bytes = bytes_per_slot(self.spec, self.dtype, self.ssm_dtype)
+        block_bytes = bytes_per_block(self.spec, self.block_size, self.dtype)
+        # One spare slot is kept for CUDA-graph padding rows, never handed to a request.
+        wanted_slots = cfg.num_state_slots or (cfg.max_num_seqs + 1)
+        if self.has_attention:
+            min_blocks = -(-max_model_len // self.block_size)
+            if cfg.num_kv_blocks is not None:
+                num_blocks = cfg.num_kv_blocks
+            else:
+                num_blocks = max(0, (budget - wanted_slots * slot_bytes) // block_bytes)
+                if num_blocks < min_blocks and cfg.max_model_len is None:
+                    # the model's nominal limit does not fit: shrink it to what fits with all slots
+                    max_model_len = max(self.block_size, num_blocks * self.block_size)
+                    min_blocks = -(-max_model_len // self.block_size)
+                    logger.warning("max_model_len clamped to %d tokens to fit the KV cache budget", max_model_len)
+            if num_blocks < min_blocks:
+                raise ValueError(
+                    f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than one "
+                    f"max_model_len={max_model_len} sequence needs ({min_blocks}); lower max_model_len or raise the memory budget")
+        else:
+            num_blocks = 0
+        num_slots = cfg.num_state_slots or max(2, min(wanted_slots, (budget - num_blocks * block_bytes) // max(slot_bytes, 1)))
+        max_num_seqs = min(cfg.max_num_seqs, num_slots - 1)
+        if max_num_seqs < cfg.max_num_seqs:
+            logger.warning("max_num_seqs clamped from %d to %d: only %d state slots fit in the budget",
+                           cfg.max_num_seqs, max_num_seqs, num_slots)
+        if max_num_seqs < 1:
+            raise ValueError("not even one request's state fits in the cache budget")
+        self.num_slots, self.num_blocks = int(num_slots), int(num_blocks)
+        self.max_num_seqs, self.max_model_len = int(max_num_seqs), int(max_model_len)
+        self.scratch_slot = self.num_slots - 1  # reserved: padding rows of CUDA graphs
+        logger.info("caches: %d state slots (%.1f MiB each), %d KV blocks of %d tokens", self.num_slots,
+                    slot_bytes / 2**20, self.num_blocks, self.block_size)
+
+    # ---------------------------------------------------------------- step
+    def build_context(self, scheduled: list[ScheduledSequence]) -> tuple[ForwardContext, list[int], list[int]]:
+        """The step's context, input ids and positions, from the scheduler's output."""
+        ids, positions, query_lens, seq_lens, slots, has_init, tables = [], [], [], [], [], [], []
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            ids.extend(seq.all_token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            slots.append(seq.state_slot)
+            has_init.append(start > 0)
+            tables.append(seq.block_table)
+        ctx = ForwardContext.build(
+            query_lens=query_lens, seq_lens=seq_lens, state_indices=slots, has_initial_state=has_init,
+            block_tables=tables if self.has_attention else None, block_size=self.block_size, device=self.device,
+            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv,
+        )
+        return ctx, ids, positions
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
+        """Run one forward over the scheduled batch and return the logits that are needed."""
+        ctx, ids, positions = self.build_context(scheduled)
+        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.forward(input_ids, pos, ctx)
+        rows, sample_seqs, prompt_rows = [], [], []
+        offset = 0
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            if start + n == seq.num_tokens:
+                sample_seqs.append(seq)
+                rows.append(offset + n - 1)
+            if seq.sampling_params.prompt_logprobs is not None:
+                prompt_rows.append((seq, offset, start, n))
+            offset += n
+        sample_logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        prompt_logits = {}
+        for seq, off, start, n in prompt_rows:
+            # logits of prompt positions start..start+n-1 that predict a prompt token
+            m = min(n, seq.num_prompt_tokens - 1 - start)
+            if m > 0:
+                prompt_logits[seq.request_id] = (start, self.model.compute_logits(hidden[off : off + m]))
+        return StepLogits(sample_seqs, sample_logits, prompt_logits)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The eager forward; the CUDA graph runner overrides the path for graphed batches."""
+        return self.model(input_ids, positions, ctx)

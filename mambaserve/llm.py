@@ -1,0 +1,85 @@
+"""The offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM.
+
+It drives the engine's `step()` until every request is done and returns outputs in input
+order. Same loop as the server and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence as Seq
+
+from mambaserve.config import EngineConfig
+from mambaserve.engine.llm_engine import LLMEngine
+from mambaserve.outputs import RequestOutput
+from mambaserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """An engine for offline generation.
+
+    model: checkpoint directory (default: the bundled demo model) or a config .json with
+    load_format="dummy". Other keyword arguments are `EngineConfig` fields (dtype, load_format,
+    max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, seed,
+    enforce_eager, skip_tokenizer_init, ...). Raises ValueError for bad options.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        if model is not None:
+            kwargs["model"] = model
+        self.llm_engine = LLMEngine(EngineConfig(**kwargs))
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | dict | list,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate completions for a prompt or a list of prompts (strings, token-id lists, or
+        {"prompt_token_ids": [...]} dicts). One SamplingParams for all or one per prompt.
+        Returns one RequestOutput per prompt, in input order. Raises ValueError for a bad prompt
+        or parameter; then no request of this call is left in the engine."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(engine.add_request(None, prompt, p))
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(ids) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(results) < len(ids):
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in results:
+                    engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in ids]
