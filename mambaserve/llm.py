@@ -28,6 +28,13 @@ class LLM:
             kwargs["model"] = model
         self.llm_engine = LLMEngine(EngineConfig(**kwargs))
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        """An LLM over an already validated EngineConfig (used by the CLI)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
