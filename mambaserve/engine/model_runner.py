@@ -53,6 +53,21 @@ class ModelRunner:
         self.caches = allocate_caches(self.spec, num_slots=self.num_slots, num_blocks=max(self.num_blocks, 1),
                                       block_size=self.block_size, dtype=self.dtype, ssm_dtype=self.ssm_dtype,
                                       device=self.device)
+        self.compilation_mode = config.resolved_compilation_mode()
+        self.decode_graphs = None
+        if self.compilation_mode == "full_and_piecewise":
+            self._capture_decode_graphs()
+
+    def _capture_decode_graphs(self) -> None:
+        from mambaserve.engine.cuda_graph import DecodeGraphRunner, default_capture_sizes
+
+        sizes = self.config.cuda_graph_sizes or default_capture_sizes(self.max_num_seqs)
+        # a captured batch never exceeds the usable state slots (the last slot is the scratch slot)
+        sizes = sorted({min(int(s), self.max_num_seqs) for s in sizes})
+        self.decode_graphs = DecodeGraphRunner(self.model, self.caches, sizes=sizes, max_model_len=self.max_model_len,
+                                               block_size=self.block_size, has_attention=self.has_attention,
+                                               device=self.device)
+        self.decode_graphs.capture()
 
     # ---------------------------------------------------------------- sizing
     def _cache_budget(self) -> int:
@@ -119,6 +134,14 @@ class ModelRunner:
         if max_num_seqs < cfg.max_num_seqs:
             logger.warning("max_num_seqs clamped from %d to %d: only %d state slots fit in the budget",
                            cfg.max_num_seqs, max_num_seqs, num_slots)
+        if self.max_num_batched_tokens < max_num_seqs:
+            # more running decodes than tokens per step would starve the newest ones
+            logger.warning("max_num_seqs clamped from %d to max_num_batched_tokens=%d", max_num_seqs,
+                           self.max_num_batched_tokens)
+            max_num_seqs = self.max_num_batched_tokens
+        if not cfg.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be at least max_model_len ({max_model_len})")
         if max_num_seqs < 1:
             raise ValueError("not even one request's state fits in the cache budget")
         self.num_slots, self.num_blocks = int(num_slots), int(num_blocks)
@@ -134,7 +157,7 @@ class ModelRunner:
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
-            ids.extend(seq.all_token_ids[start : start + n])
+            ids.extend(seq.get_token_ids(start, start + n))
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
@@ -148,9 +171,24 @@ class ModelRunner:
         )
         return ctx, ids, positions
 
+    def _graphable(self, scheduled: list[ScheduledSequence]) -> bool:
+        g = self.decode_graphs
+        return (g is not None and len(scheduled) <= g.max_size
+                and all(s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0
+                        and s.seq.num_computed_tokens + 1 == s.seq.num_tokens
+                        and s.seq.sampling_params.prompt_logprobs is None for s in scheduled))
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
         """Run one forward over the scheduled batch and return the logits that are needed."""
+        if self._graphable(scheduled):
+            seqs = [s.seq for s in scheduled]
+            logits = self.decode_graphs.run(
+                [seq.get_token_ids(seq.num_computed_tokens, seq.num_computed_tokens + 1)[0] for seq in seqs],
+                [seq.num_computed_tokens for seq in seqs],
+                [seq.state_slot for seq in seqs],
+                [seq.block_table for seq in seqs] if self.has_attention else None)
+            return StepLogits(seqs, logits, {})
         ctx, ids, positions = self.build_context(scheduled)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -1,0 +1,145 @@
+"""Full CUDA graphs for decode-only steps: one graph of the whole forward (and the logits) per
+captured batch size, replayed with persistent input buffers.
+
+At batch 1 a decode step is hundreds of small kernels and the host cannot launch them as fast
+as the GPU runs them; a graph replay launches them all at once. Everything a replay reads lives
+in buffers allocated once: token ids, positions, state indices, sequence lengths, block tables,
+slot mapping. A real batch of b sequences runs in the smallest captured size >= b; the padding
+rows have state index -1 (no state read or written) and slot -1 (no KV written), so they never
+touch a real request's state. Host-side kernel metadata (the attention work plan) is built in the
+warm-up run before capture and is valid for any context length (the kernels read the lengths
+from the buffers). Captured sizes never exceed the number of usable state slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from mambaserve.engine.forward_context import ForwardContext
+
+logger = logging.getLogger("mambaserve")
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 16 up to max_num_seqs (vLLM's spacing, capped)."""
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
+    if max_num_seqs not in sizes:
+        sizes.append(max_num_seqs)
+    return sorted(set(sizes))
+
+
+class DecodeGraphRunner:
+    """Captures and replays decode-only forwards for a fixed set of batch sizes."""
+
+    def __init__(self, model, caches, *, sizes: list[int], max_model_len: int, block_size: int,
+                 has_attention: bool, device: torch.device):
+        self.model = model
+        self.sizes = sorted(set(int(s) for s in sizes))
+        self.max_size = self.sizes[-1]
+        self.block_size = block_size
+        self.has_attention = has_attention
+        self.device = device
+        n = self.max_size
+        self.max_blocks = -(-max_model_len // block_size)
+        # Captured kernels plan for this context length; they read the real lengths at replay.
+        self.plan_len = min(max_model_len, 8192)
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(n + 1, **i32)
+        self.seq_lens = torch.ones(n, **i32)
+        self.state_indices = torch.full((n,), -1, **i32)
+        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
+        self.block_table = torch.zeros(n, self.max_blocks if has_attention else 1, **i32)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.caches = caches
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.contexts: dict[int, ForwardContext] = {}
+        self.pool = None
+
+    def _context(self, bs: int) -> ForwardContext:
+        return ForwardContext(
+            query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
+            state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],
+            block_table=self.block_table[:bs] if self.has_attention else None,
+            slot_mapping=self.slot_mapping[:bs] if self.has_attention else None,
+            num_decodes=bs, num_tokens=bs, max_query_len=1, max_seq_len=self.plan_len,
+            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv,
+            metadata={"query_start_loc_host": list(range(bs + 1)), "seq_lens_host": [self.plan_len] * bs},
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first (smaller ones reuse its memory pool).
+
+        During capture every row is padding (state index -1, slot -1): no state is touched.
+        """
+        t0 = time.perf_counter()
+        self._reset_padding(0)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bs in reversed(self.sizes):
+                ctx = self._context(bs)
+                for _ in range(2):  # warm-up: compiles kernels, fills ctx.metadata with the plans
+                    self._forward(bs, ctx)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                    out = self._forward(bs, ctx)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bs], self.outputs[bs], self.contexts[bs] = graph, out, ctx
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        logger.warning("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
+                       len(self.sizes), self.sizes, time.perf_counter() - t0)
+
+    def _forward(self, bs: int, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
+        return self.model.compute_logits(hidden)
+
+    def _reset_padding(self, start: int) -> None:
+        self.state_indices[start:].fill_(-1)
+        self.slot_mapping[start:].fill_(-1)
+        self.seq_lens[start:].fill_(1)
+        self.input_ids[start:].zero_()
+        self.positions[start:].zero_()
+
+    def padded_size(self, batch: int) -> int | None:
+        """The captured size a batch of `batch` decodes runs in, or None if it is too large."""
+        for s in self.sizes:
+            if s >= batch:
+                return s
+        return None
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], positions: list[int], state_indices: list[int],
+            block_tables: list[list[int]] | None) -> torch.Tensor:
+        """Replay the decode graph for len(ids) one-token sequences; returns their float32
+        logits (batch, vocab). positions[i] is the new token's position (= tokens before it)."""
+        b = len(ids)
+        bs = self.padded_size(b)
+        assert bs is not None, "batch larger than the largest captured size"
+        host = torch.tensor([ids, positions, state_indices], dtype=torch.int64)
+        self.input_ids[:b].copy_(host[0], non_blocking=True)
+        self.positions[:b].copy_(host[1], non_blocking=True)
+        self.state_indices[:b].copy_(host[2], non_blocking=True)
+        self.seq_lens[:b].copy_(host[1] + 1, non_blocking=True)
+        if self.has_attention:
+            width = max(len(t) for t in block_tables)
+            table = torch.zeros(b, width, dtype=torch.int32)
+            for i, t in enumerate(block_tables):
+                table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            self.block_table[:b, :width].copy_(table, non_blocking=True)
+            pos = host[1]
+            slots = table[torch.arange(b), pos // self.block_size].long() * self.block_size + pos % self.block_size
+            self.slot_mapping[:b].copy_(slots, non_blocking=True)
+        if bs > b:
+            self._reset_padding(b)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:b]
