@@ -1,0 +1,85 @@
+"""GPU-only engine tests: Triton path vs CPU reference path, CUDA graphs vs eager.
+
+Skipped without CUDA. On the GPU the ops dispatch to the Triton kernels.
+"""
+
+import pytest
+import torch
+
+from mambaserve import LLM, SamplingParams
+from tests.engine.test_engine import FAMILIES, prompts_for
+from tests.models.tiny import checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _gen(llm, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gpu_greedy_equals_cpu_float32(name):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = prompts_for(name)
+    cpu = _gen(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cpu"), prompts, params)
+    gpu = _gen(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cuda", enforce_eager=True),
+               prompts, params)
+    assert gpu == cpu
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_graphs_equal_eager_bf16(name):
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    prompts = prompts_for(name, lens=(1, 2, 3, 9, 17, 30, 64, 5, 7))
+    kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16])
+    eager = LLM(checkpoint(name), enforce_eager=True, **kw)
+    graphed = LLM(checkpoint(name), **kw)
+    assert graphed.llm_engine.runner.decode_graphs is not None
+    for batch in ([prompts[0]], prompts[:3], prompts[:9]):  # 1, 3 (padded to 4), 9 (padded to 16)
+        assert _gen(graphed, batch, params) == _gen(eager, batch, params)
+
+
+def test_graphs_with_joining_and_leaving_requests_and_long_prefill():
+    name = "granite-moe"
+    kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8],
+              max_num_batched_tokens=64)
+    results = {}
+    for mode in ("eager", "graphs"):
+        llm = LLM(checkpoint(name), enforce_eager=(mode == "eager"), **kw)
+        e = llm.llm_engine
+        prompts = prompts_for(name, lens=(1, 200, 3, 30, 2), seed=5)
+        lengths = [40, 10, 25, 5, 30]
+        arrivals = {0: 0, 1: 3, 2: 3, 3: 9, 4: 20}
+        done, step = {}, 0
+        while len(done) < len(prompts):
+            for i, at in arrivals.items():
+                if at == step:
+                    e.add_request(str(i), {"prompt_token_ids": prompts[i]},
+                                  SamplingParams(temperature=0.0, max_tokens=lengths[i], ignore_eos=True))
+            for out in e.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        results[mode] = done
+        assert e.slot_pool.num_used == 0
+    assert results["graphs"] == results["eager"]
+
+
+def test_padded_rows_leave_state_slots_untouched():
+    llm = LLM(checkpoint("bamba"), skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=4,
+              cuda_graph_sizes=[4])
+    runner = llm.llm_engine.runner
+    before = [(c.clone(), s.clone()) for c, s in runner.caches.mamba]
+    kv_before = [(k.clone(), v.clone()) for k, v in runner.caches.kv]
+    # three real rows in a graph of four: the padding row must not write anything
+    logits = runner.decode_graphs.run([5, 6, 7], [0, 0, 0], [0, 1, 2], [[0], [1], [2]])
+    torch.cuda.synchronize()
+    assert torch.isfinite(logits).all()
+    for (c0, s0), (c1, s1) in zip(before, runner.caches.mamba):
+        assert torch.equal(c0[3:], c1[3:]) and torch.equal(s0[3:], s1[3:])
+        assert not torch.equal(s0[:3], s1[:3])
+    for (k0, v0), (k1, v1) in zip(kv_before, runner.caches.kv):
+        assert torch.equal(k0[3:], k1[3:]) and torch.equal(v0[3:], v1[3:])
