@@ -245,9 +245,10 @@ def _paged_attention_kernel(
         o_rows = tok64 * stride_ot + head * stride_oh
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        pa_rows = split * stride_pa_s + tok64 * stride_pa_t + head * stride_pa_h
+        split64 = split.to(tl.int64)
+        pa_rows = split64 * stride_pa_s + tok64 * stride_pa_t + head * stride_pa_h
         tl.store(part_acc_ptr + pa_rows[:, None] + offs_d[None, :], acc, mask=mask)
-        pm_rows = split * stride_pm_s + tok64 * stride_pm_t + head
+        pm_rows = split64 * stride_pm_s + tok64 * stride_pm_t + head
         tl.store(part_m_ptr + pm_rows, m_i, mask=row_valid)
         tl.store(part_l_ptr + pm_rows, l_i, mask=row_valid)
 
@@ -274,6 +275,14 @@ def _combine_splits_kernel(
     out = tl.sum(acc * w[:, None], 0) / denom
     tl.store(out_ptr + t * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < head_dim)
+
+
+def _launch_config(block_r: int, block_d: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the main kernel for a tile of block_r rows."""
+    if not on_gpu:
+        return 16, 4, 1  # interpreter: more loop trips on small test contexts
+    block_n = 64 if block_d <= 128 else 32
+    return block_n, 8 if block_r >= 128 else 4, 3
 
 
 @dataclass
@@ -380,6 +389,9 @@ def paged_attention_triton(
     batch = query_start_loc.numel() - 1
     if seq_lens.shape != (batch,) or block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ValueError(f"seq_lens must be ({batch},) and block_table ({batch}, max_blocks)")
+    others = (k_cache, v_cache, block_table, seq_lens, query_start_loc)
+    if any(t.device != q.device for t in others):
+        raise ValueError(f"all tensors must be on q's device {q.device}")
     if num_splits is not None and not 1 <= num_splits <= 256:
         raise ValueError(f"num_splits must be in [1, 256], got {num_splits}")
     if q.stride(2) != 1:
@@ -403,10 +415,8 @@ def paged_attention_triton(
     if num_items == 0:
         return out
     block_d = max(16, _next_pow2(head_dim))
-    block_n = 64 if block_d <= 128 else 32
     on_gpu = q.is_cuda
-    if not on_gpu:
-        block_n = 16  # interpreter: more loop trips on small test contexts
+    block_n, num_warps, num_stages = _launch_config(plan.block_r, block_d, on_gpu)
     splits = plan.num_splits
     if splits > 1:
         part_acc = torch.empty(splits, plan.num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
@@ -431,7 +441,7 @@ def paged_attention_triton(
         G=G, TOKENS=plan.tokens, BLOCK_R=plan.block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         EVEN_D=block_d == head_dim,
         PAGE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_prec, DOT_F32=not on_gpu,
-        num_warps=8 if plan.block_r >= 128 else 4, num_stages=3 if on_gpu else 1,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(plan.num_tokens, num_heads)](

@@ -243,7 +243,7 @@ def fused_moe_triton(
     token_of, inv, offs = _route(topk_ids, num_experts)
     if impl == "grouped_mm":
         offs_end = offs[1:].to(torch.int32)  # cumulative group ends, as _grouped_mm takes them
-        x_sorted = x[token_of]  # (M, hidden)
+        x_sorted = x.index_select(0, token_of)  # (M, hidden)
         h = torch._grouped_mm(x_sorted, w1.transpose(1, 2), offs=offs_end)  # (M, 2 * inter)
         act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
         block = min(1024, _next_pow2(inter))

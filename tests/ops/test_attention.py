@@ -107,7 +107,7 @@ def test_paged_attention_empty_sequences_and_padding_rows():
     specs = [(3, 4), (0, 9), (1, 8)]
     q, kc, vc, bt, sl, qsl = _make_batch(specs, 8, 1, 2, 16, torch.float32, DEVICE)
     q_pad = torch.cat([q, torch.randn(2, *q.shape[1:], device=DEVICE)])  # two padding tokens
-    out = nan_empty(*q_pad.shape)
+    out = nan_empty(*q_pad.shape, device=DEVICE)
     paged_attention_triton(q_pad, kc, vc, bt, sl, qsl, 0.3, None, out=out)
     assert rel_err(out[: q.shape[0]], _ref(q, kc, vc, bt, sl, qsl, 0.3)) < tolerance(torch.float32)
     assert torch.isnan(out[q.shape[0]:]).all()
@@ -116,10 +116,12 @@ def test_paged_attention_empty_sequences_and_padding_rows():
 def test_paged_attention_rejects_bad_input():
     q, kc, vc, bt, sl, qsl = _make_batch([(2, 3)], 8, 1, 1, 16, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="block_size"):
-        kc12 = torch.randn(4, 12, 1, 16)
+        kc12 = torch.randn(4, 12, 1, 16, device=DEVICE)
         paged_attention_triton(q, kc12, kc12, bt, sl, qsl, 1.0)
-    with pytest.raises(ValueError, match="seq_lens"):
-        paged_attention_triton(q, kc, vc, bt, torch.tensor([1], dtype=torch.int32), qsl, 1.0)
+    with pytest.raises(ValueError, match="seq_lens"):  # fewer context tokens than new tokens
+        paged_attention_triton(q, kc, vc, bt, torch.tensor([1], dtype=torch.int32, device=DEVICE), qsl, 1.0)
+    with pytest.raises(ValueError, match="device"):
+        paged_attention_triton(q, kc, vc, bt, sl.to("meta"), qsl, 1.0)
     with pytest.raises(ValueError, match="block_table"):
         paged_attention_triton(q, kc, vc, bt[:, :0], sl, qsl, 1.0)
 
