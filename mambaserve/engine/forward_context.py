@@ -68,11 +68,14 @@ class ForwardContext:
         device: torch.device | str,
         mamba_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        pad_to: int | None = None,
     ) -> "ForwardContext":
         """Build the context from host lists, one entry per sequence (decodes first).
 
         query_lens[i] new tokens of sequence i end at position seq_lens[i] - 1. block_tables[i]
-        must cover seq_lens[i] tokens when given. Raises ValueError on inconsistent lengths.
+        must cover seq_lens[i] tokens when given. pad_to: the token count of a padded forward
+        (piecewise graphs): slot_mapping gets -1 for the padding rows, which belong to no
+        sequence. Raises ValueError on inconsistent lengths.
         """
         n = len(query_lens)
         if not (len(seq_lens) == len(state_indices) == len(has_initial_state) == n):
@@ -100,6 +103,8 @@ class ForwardContext:
                     raise ValueError(f"block table of sequence {i} covers {len(blocks) * block_size} tokens, needs {s}")
                 for pos in range(s - q, s):
                     slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            if pad_to is not None:
+                slots.extend([-1] * (pad_to - len(slots)))
             block_table = torch.tensor(table, **i32).to(device, non_blocking=True)
             slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
         return cls(

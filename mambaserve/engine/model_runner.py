@@ -43,7 +43,10 @@ class ModelRunner:
         self.model = load_model(config.model, dtype=config.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed)
         self.dtype = self.model.lm_head.weight.dtype
-        self.ssm_dtype = self.dtype if config.mamba_ssm_cache_dtype == "auto" else DTYPES[config.mamba_ssm_cache_dtype]
+        ssm_name = config.mamba_ssm_cache_dtype
+        if ssm_name == "auto":  # the family's own default (Nemotron-H: float32), else the model dtype
+            ssm_name = getattr(self.model, "default_mamba_ssm_cache_dtype", None)
+        self.ssm_dtype = DTYPES[ssm_name] if ssm_name else self.dtype
         self.spec = self.model.cache_spec()
         self.has_attention = bool(self.spec.attention)
         self.block_size = config.block_size
@@ -54,9 +57,19 @@ class ModelRunner:
                                       block_size=self.block_size, dtype=self.dtype, ssm_dtype=self.ssm_dtype,
                                       device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
-        self.decode_graphs = None
+        self.decode_graphs = self.piecewise_graphs = None
+        if self.compilation_mode in ("piecewise", "full_and_piecewise"):
+            self._capture_piecewise_graphs()
         if self.compilation_mode == "full_and_piecewise":
             self._capture_decode_graphs()
+
+    def _capture_piecewise_graphs(self) -> None:
+        from mambaserve.engine.piecewise import PiecewiseGraphRunner, default_piecewise_sizes
+
+        self.piecewise_graphs = PiecewiseGraphRunner(
+            self.model, self.caches, sizes=default_piecewise_sizes(self.max_num_batched_tokens),
+            block_size=self.block_size, has_attention=self.has_attention, device=self.device)
+        self.piecewise_graphs.capture()
 
     def _capture_decode_graphs(self) -> None:
         from mambaserve.engine.cuda_graph import DecodeGraphRunner, default_capture_sizes
@@ -151,7 +164,8 @@ class ModelRunner:
                     slot_bytes / 2**20, self.num_blocks, self.block_size)
 
     # ---------------------------------------------------------------- step
-    def build_context(self, scheduled: list[ScheduledSequence]) -> tuple[ForwardContext, list[int], list[int]]:
+    def build_context(self, scheduled: list[ScheduledSequence], pad_to: int | None = None
+                      ) -> tuple[ForwardContext, list[int], list[int]]:
         """The step's context, input ids and positions, from the scheduler's output."""
         ids, positions, query_lens, seq_lens, slots, has_init, tables = [], [], [], [], [], [], []
         for s in scheduled:
@@ -167,7 +181,7 @@ class ModelRunner:
         ctx = ForwardContext.build(
             query_lens=query_lens, seq_lens=seq_lens, state_indices=slots, has_initial_state=has_init,
             block_tables=tables if self.has_attention else None, block_size=self.block_size, device=self.device,
-            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv,
+            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv, pad_to=pad_to,
         )
         return ctx, ids, positions
 
@@ -189,10 +203,15 @@ class ModelRunner:
                 [seq.state_slot for seq in seqs],
                 [seq.block_table for seq in seqs] if self.has_attention else None)
             return StepLogits(seqs, logits, {})
-        ctx, ids, positions = self.build_context(scheduled)
+        num_tokens = sum(s.num_new_tokens for s in scheduled)
+        padded = self.piecewise_graphs.padded_size(num_tokens) if self.piecewise_graphs is not None else None
+        ctx, ids, positions = self.build_context(scheduled, pad_to=padded)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.forward(input_ids, pos, ctx)
+        if padded is not None:
+            hidden = self.piecewise_graphs.run(input_ids, pos, ctx)
+        else:
+            hidden = self.model(input_ids, pos, ctx)
         rows, sample_seqs, prompt_rows = [], [], []
         offset = 0
         for s in scheduled:
@@ -212,7 +231,3 @@ class ModelRunner:
             if m > 0:
                 prompt_logits[seq.request_id] = (start, self.model.compute_logits(hidden[off : off + m]))
         return StepLogits(sample_seqs, sample_logits, prompt_logits)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The eager forward; the CUDA graph runner overrides the path for graphed batches."""
-        return self.model(input_ids, positions, ctx)

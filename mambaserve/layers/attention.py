@@ -15,6 +15,7 @@ from torch import nn
 
 from mambaserve import ops
 from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.graph_split import split_op
 from mambaserve.layers.rotary import RotaryEmbedding
 
 
@@ -63,8 +64,13 @@ class Attention(nn.Module):
         v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
+        out = split_op(self.attend, (q, k, v), ctx)  # (T, num_heads, head_dim)
+        return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Write this step's K/V into the paged cache, then attend. q: (T, num_heads, head_dim),
+        k, v: (T, num_kv_heads, head_dim). Returns (T, num_heads, head_dim)."""
         k_cache, v_cache = ctx.kv_caches[self.cache_index]
         ops.reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc,
-                                  self.scale, metadata=ctx.metadata)
-        return self.o_proj(out.view(T, self.num_heads * self.head_dim))
+        return ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc,
+                                   self.scale, metadata=ctx.metadata)

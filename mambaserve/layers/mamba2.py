@@ -20,6 +20,7 @@ from torch import nn
 
 from mambaserve import ops
 from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.graph_split import split_op
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,21 @@ class Mamba2Mixer(nn.Module):
         return MambaStateShape((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.d_state))
 
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        T = hidden_states.shape[0]
+        I = self.intermediate_size
+        zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
+        y = split_op(self.ssm, (zxbcdt,), ctx)  # (T, I)
+        y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=I // self.n_groups)
+        return self.out_proj(y)
+
+    def ssm(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The state-dependent core: conv1d and the selective scan (or their one-step updates).
+
+        zxbcdt: (num_tokens, I + conv_dim + nheads) from in_proj. Returns y (num_tokens, I),
+        before the gated norm. Reads and writes this layer's state slots of `ctx`.
+        """
+        T = zxbcdt.shape[0]
         H, P, G, N, I = self.num_heads, self.head_dim, self.n_groups, self.d_state, self.intermediate_size
         conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
-        zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
-        z = zxbcdt[:, :I]
         xBC = zxbcdt[:, I : I + self.conv_dim]  # column slice: the conv reads it in place
         dt = zxbcdt[:, I + self.conv_dim :]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
@@ -108,5 +119,4 @@ class Mamba2Mixer(nn.Module):
             y = ops.mamba_chunk_scan(x, dt, A, B, C, self.chunk_size, self.D, None, self.dt_bias, ssm_states,
                                      ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
                                      dt_softplus=True, dt_limit=self.dt_limit, metadata=ctx.metadata)
-        y = ops.rms_norm_gated(y.view(T, I), self.norm.weight, z, self.eps, group_size=I // G)
-        return self.out_proj(y)
+        return y.view(T, I)

@@ -42,13 +42,15 @@ def test_graphs_equal_eager_bf16(name):
         assert _gen(graphed, batch, params) == _gen(eager, batch, params)
 
 
-def test_graphs_with_joining_and_leaving_requests_and_long_prefill():
-    name = "granite-moe"
+@pytest.mark.parametrize("name", ["granite-moe", "bamba"])
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_graphs_with_joining_and_leaving_requests_and_long_prefill(name, mode):
+    """Mixed steps (chunks of a 200-token prompt beside decodes) go through piecewise graphs."""
     kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8],
               max_num_batched_tokens=64)
     results = {}
-    for mode in ("eager", "graphs"):
-        llm = LLM(checkpoint(name), enforce_eager=(mode == "eager"), **kw)
+    for run_mode in ("eager", mode):
+        llm = LLM(checkpoint(name), compilation_mode=run_mode, **kw)
         e = llm.llm_engine
         prompts = prompts_for(name, lens=(1, 200, 3, 30, 2), seed=5)
         lengths = [40, 10, 25, 5, 30]
@@ -63,9 +65,11 @@ def test_graphs_with_joining_and_leaving_requests_and_long_prefill():
                 if out.finished:
                     done[out.request_id] = out.outputs[0].token_ids
             step += 1
-        results[mode] = done
+        results[run_mode] = done
         assert e.slot_pool.num_used == 0
-    assert results["graphs"] == results["eager"]
+        if run_mode != "eager":
+            assert e.runner.piecewise_graphs is not None
+    assert results[mode] == results["eager"]
 
 
 def test_padded_rows_leave_state_slots_untouched():

@@ -1,0 +1,149 @@
+"""Piecewise CUDA graphs for mixed prefill/decode steps of up to a few hundred tokens.
+
+For each captured token count T, one forward is recorded as a chain: graph 0, hole 0, graph 1,
+hole 1, ... The holes are the split ops of `mambaserve.layers.graph_split` (the Mamba mixer's
+conv + scan, attention's cache write + paged attention): they depend on the step's batch
+metadata, so at replay they run eagerly with the real step's context, reading their inputs
+from, and writing their outputs to, the fixed buffers the neighbouring graphs use. Everything
+else (embeddings, projections, norms, MoE, residuals, logits) replays as graphs.
+
+A step of t <= T tokens runs in the smallest captured T; rows t..T-1 belong to no sequence
+(their KV slot is -1, no state is read or written for them) and their outputs are dropped.
+Large steps (long prefills) run eagerly: launch overhead is negligible there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers import graph_split
+
+logger = logging.getLogger("mambaserve")
+
+
+def default_piecewise_sizes(max_tokens: int) -> list[int]:
+    sizes = [8, 16, 32, 64, 128, 256, 512]
+    return [s for s in sizes if s <= max_tokens] or [max_tokens]
+
+
+class _Piece:
+    """One captured forward at a fixed token count: graphs interleaved with eager holes."""
+
+    def __init__(self):
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.holes: list[tuple] = []  # (fn, args, out buffer)
+        self.output: torch.Tensor | None = None
+
+
+class _Recorder:
+    def __init__(self, piece: _Piece, pool, ctx: ForwardContext, buffers: dict):
+        self.piece, self.pool, self.ctx, self.buffers = piece, pool, ctx, buffers
+        self.current: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self.current = torch.cuda.CUDAGraph()
+        self.current.capture_begin(pool=self.pool)
+
+    def end(self) -> None:
+        self.current.capture_end()
+        self.piece.graphs.append(self.current)
+        self.current = None
+
+    def hole(self, fn, args, ctx):
+        self.end()
+        # Run the hole once for real (outside any capture) to learn its output's shape.
+        result = fn(*args, ctx)
+        key = (tuple(result.shape), result.dtype)
+        if key not in self.buffers:
+            # Holes run one after the other and each output is read by the next graph before
+            # the next hole writes: one buffer per shape serves every layer.
+            self.buffers[key] = torch.empty_like(result)
+        out = self.buffers[key]
+        out.copy_(result)
+        self.piece.holes.append((fn, args, out))
+        self.begin()
+        return out
+
+
+class PiecewiseGraphRunner:
+    """Captures forwards (hidden states -> all-row logits are NOT included) per token count."""
+
+    def __init__(self, model, caches, *, sizes: list[int], block_size: int, has_attention: bool,
+                 device: torch.device):
+        self.model = model
+        self.caches = caches
+        self.sizes = sorted(set(int(s) for s in sizes))
+        self.max_size = self.sizes[-1]
+        self.block_size = block_size
+        self.has_attention = has_attention
+        self.device = device
+        self.input_ids = torch.zeros(self.max_size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
+        self.pieces: dict[int, _Piece] = {}
+        self.pool = None
+
+    def padded_size(self, num_tokens: int) -> int | None:
+        for s in self.sizes:
+            if s >= num_tokens:
+                return s
+        return None
+
+    def _capture_context(self, T: int) -> ForwardContext:
+        """One sequence of T new tokens on padding slots: nothing is read from or written to a cache."""
+        blocks = -(-T // self.block_size)
+        ctx = ForwardContext.build(
+            query_lens=[T], seq_lens=[T], state_indices=[-1], has_initial_state=[False],
+            block_tables=[[0] * blocks] if self.has_attention else None, block_size=self.block_size,
+            device=self.device, mamba_caches=self.caches.mamba, kv_caches=self.caches.kv)
+        if ctx.slot_mapping is not None:
+            ctx.slot_mapping.fill_(-1)
+        return ctx
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        self.pool = torch.cuda.graph_pool_handle()
+        buffers: dict = {}
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for T in reversed(self.sizes):
+                ctx = self._capture_context(T)
+                self.model(self.input_ids[:T], self.positions[:T], ctx)  # warm-up: compile kernels
+                torch.cuda.synchronize(self.device)
+                piece = _Piece()
+                recorder = _Recorder(piece, self.pool, ctx, buffers)
+                graph_split.set_recorder(recorder)
+                try:
+                    recorder.begin()
+                    piece.output = self.model(self.input_ids[:T], self.positions[:T], ctx)
+                    recorder.end()
+                finally:
+                    graph_split.set_recorder(None)
+                self.pieces[T] = piece
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        logger.warning("captured piecewise CUDA graphs for %d token counts (%s) in %.1f s",
+                       len(self.sizes), self.sizes, time.perf_counter() - t0)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Forward of a step whose ctx was built with pad_to=padded_size(len(input_ids)).
+        Returns the hidden states of the real rows (len(input_ids), hidden)."""
+        t = input_ids.shape[0]
+        T = self.padded_size(t)
+        piece = self.pieces[T]
+        self.input_ids[:t].copy_(input_ids, non_blocking=True)
+        self.positions[:t].copy_(positions, non_blocking=True)
+        if T > t:
+            self.input_ids[t:T].zero_()
+            self.positions[t:T].zero_()
+        piece.graphs[0].replay()
+        for (fn, args, out), graph in zip(piece.holes, piece.graphs[1:]):
+            out.copy_(fn(*args, ctx))
+            graph.replay()
+        return piece.output[:t]
