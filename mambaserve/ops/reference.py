@@ -71,10 +71,11 @@ def causal_conv1d(
         else:
             prev = x.new_zeros(width - 1, x.shape[1], dtype=cdt)
         xs = torch.cat([prev, x[start:end].to(cdt)], dim=0)  # (width - 1 + L, dim)
-        y = F.conv1d(xs.t().unsqueeze(0), w.unsqueeze(1), groups=x.shape[1])[0].t()  # (L, dim)
-        if bias is not None:
-            y = y + bias.to(cdt)
-        out[start:end] = _activate(y, activation).to(x.dtype)
+        if end > start:  # an empty sequence has no output, only its state update
+            y = F.conv1d(xs.t().unsqueeze(0), w.unsqueeze(1), groups=x.shape[1])[0].t()  # (L, dim)
+            if bias is not None:
+                y = y + bias.to(cdt)
+            out[start:end] = _activate(y, activation).to(x.dtype)
         if slot >= 0 and width > 1:
             conv_states[slot] = xs[xs.shape[0] - (width - 1) :].to(conv_states.dtype)
     return out

@@ -1,0 +1,438 @@
+"""GPU timings of mambaserve's Triton kernels at real model shapes, against the memory floor.
+
+Each case is a name, a callable that runs one op call on inputs built in advance, the minimum
+bytes the call must move through device memory (each input read once, each output written once)
+and the FLOPs it must do. For each case the script prints and records:
+  - gpu_us: device time of one call: the call is captured in a CUDA graph and the graph is
+    replayed between CUDA events, with the L2 cache flushed (a 256 MiB write) before every
+    replay; median over the replays. Host work is not included.
+  - host_us: host time to issue one eager call (Python, argument checks, launches), with the
+    per-step metadata already cached as the engine does for every layer after the first.
+  - GB/s and the fraction of the copy bandwidth measured in the same run (a 1 GiB
+    device-to-device copy, bytes read plus written), and TFLOP/s.
+
+Shapes: the Mamba2 layer of granite-4.0-tiny-preview (shared/configs/granite-4.0-tiny-preview.json:
+hidden 1536, expand 2 -> d_inner 3072, 48 heads x 64, d_state 128, 1 group, conv width 4,
+chunk 256), bfloat16 activations, float32 SSM state pool, bfloat16 conv state pool, inputs as
+views of an in_proj-shaped output. Batches: one 31,500-token prefill; 8 x 2,048-token
+prefills; 4 x 1,024-token prefills mixed with 60 decodes; decode batches of 1, 8, 64, 256.
+
+Extending: write a function that returns a list of `Case` and decorate it with `@register`
+(cases of other ops, e.g. attention or MoE, belong here too). `--sweep` times alternative
+launch configs of the kernels (on scratch state, never on live state) to tune the fixed configs.
+
+Usage: python3 benchmarks/kernels.py [--output-json PATH] [--only SUBSTRING] [--sweep]
+Needs a CUDA GPU. Writes JSON to PATH (default benchmarks/results/kernels-<gpu>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mambaserve import ops  # noqa: E402
+from mambaserve.ops import conv1d as conv1d_mod  # noqa: E402
+from mambaserve.ops import ssd as ssd_mod  # noqa: E402
+from mambaserve.ops import state_update as state_update_mod  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+@dataclass
+class Case:
+    """One timed op call. fn runs the call on prepared inputs and returns its output."""
+
+    name: str
+    group: str
+    fn: Callable[[], object]
+    bytes: int
+    flops: int = 0
+    target_us: float | None = None  # the issue's target for this case, if any
+    baseline_us: float | None = None  # vLLM 0.33's Triton kernel on the same H200, from the issue
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+CASE_BUILDERS: list[Callable[[], list[Case]]] = []
+
+
+def register(builder: Callable[[], list[Case]]) -> Callable[[], list[Case]]:
+    CASE_BUILDERS.append(builder)
+    return builder
+
+
+# --- timing --------------------------------------------------------------------------------
+
+_FLUSH: torch.Tensor | None = None
+
+
+def _flush_l2() -> None:
+    global _FLUSH
+    if _FLUSH is None:
+        _FLUSH = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEV)
+    _FLUSH.zero_()
+
+
+def gpu_time_us(fn: Callable[[], object], replays: int = 40, flush: bool = True) -> float:
+    """Median device time of one call in microseconds (CUDA graph replay, L2 flushed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and fill per-step metadata outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for s, e in zip(starts, ends):
+        if flush:
+            _flush_l2()
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    del graph
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3
+
+
+def host_time_us(fn: Callable[[], object], calls: int = 30) -> float:
+    """Host time to issue one eager call (the device may still be running when it returns)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of 1 GiB, counting bytes read plus bytes written."""
+    src = torch.randn(2**28, device=DEV)  # 1 GiB of float32
+    dst = torch.empty_like(src)
+    us = gpu_time_us(lambda: dst.copy_(src), replays=20, flush=False)
+    return 2 * src.numel() * 4 / (us * 1e-6) / 1e9
+
+
+# --- the granite-4.0-tiny-preview Mamba2 layer ---------------------------------------------
+
+D_INNER, NHEADS, HEADDIM, DSTATE, NGROUPS, WIDTH, CHUNK = 3072, 48, 64, 128, 1, 4, 256
+CONV_DIM = D_INNER + 2 * NGROUPS * DSTATE  # 3328: x, B, C go through the conv
+IN_PROJ = 2 * D_INNER + 2 * NGROUPS * DSTATE + NHEADS  # 6448: z, xBC, dt
+
+BATCHES = {  # name: (sequence lengths, has an initial state)
+    "prefill 31500": ([31500], [False]),
+    "prefill 8x2048": ([2048] * 8, [False] * 8),
+    "mixed 4x1024+60dec": ([1024] * 4 + [1] * 60, [False] * 4 + [True] * 60),
+}
+DECODE_BATCHES = (1, 8, 64, 256)
+STATE_BYTES = NHEADS * HEADDIM * DSTATE * 4  # one sequence's float32 SSM state
+
+
+class Layer:
+    """Inputs of one Mamba2 layer for a packed batch, as views into in_proj-shaped tensors."""
+
+    def __init__(self, lens, has_init, seed=0):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.lens = lens
+        self.T = T = sum(lens)
+        self.batch = batch = len(lens)
+        self.num_slots = batch + 8
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        self.qsl = torch.tensor(qsl, dtype=torch.int32, device=DEV)
+        perm = torch.randperm(self.num_slots, generator=torch.Generator().manual_seed(seed))
+        self.idx = perm[:batch].to(torch.int32).to(DEV)  # scattered slots, as in a running engine
+        self.has = torch.tensor(has_init, device=DEV)
+        zxbcdt = torch.randn(T, IN_PROJ, device=DEV, generator=g).to(BF16)  # in_proj output
+        self.z = zxbcdt[:, :D_INNER].view(T, NHEADS, HEADDIM)
+        self.xbc = zxbcdt[:, D_INNER:D_INNER + CONV_DIM]
+        self.dt = zxbcdt[:, D_INNER + CONV_DIM:]
+        conv_out = torch.randn(T, CONV_DIM, device=DEV, generator=g).to(BF16)  # conv1d output
+        self.x = conv_out[:, :D_INNER].view(T, NHEADS, HEADDIM)
+        self.B = conv_out[:, D_INNER:D_INNER + DSTATE].view(T, NGROUPS, DSTATE)
+        self.C = conv_out[:, D_INNER + DSTATE:].view(T, NGROUPS, DSTATE)
+        self.conv_w = (torch.randn(CONV_DIM, WIDTH, device=DEV, generator=g) * 0.5).to(BF16)
+        self.conv_b = torch.randn(CONV_DIM, device=DEV, generator=g).to(BF16)
+        self.conv_states = torch.randn(self.num_slots, WIDTH - 1, CONV_DIM, device=DEV, generator=g).to(BF16)
+        self.ssm_states = torch.randn(self.num_slots, NHEADS, HEADDIM, DSTATE, device=DEV, generator=g)
+        self.A = -torch.rand(NHEADS, device=DEV, generator=g) * 4 - 0.5
+        self.D = torch.randn(NHEADS, device=DEV, generator=g)
+        self.dt_bias = torch.randn(NHEADS, device=DEV, generator=g) - 2
+        self.norm_w = torch.randn(D_INNER, device=DEV, generator=g).to(BF16)
+        self.y = torch.randn(T, D_INNER, device=DEV, generator=g).to(BF16)
+        self.metadata: dict = {}
+
+    def conv1d(self):
+        return ops.causal_conv1d(self.xbc, self.conv_w, self.conv_b, self.conv_states, self.qsl, self.idx,
+                                 self.has, "silu", metadata=self.metadata)
+
+    def conv1d_update(self):
+        return ops.causal_conv1d_update(self.xbc, self.conv_states, self.conv_w, self.conv_b, self.idx, "silu")
+
+    def chunk_scan(self):
+        return ops.mamba_chunk_scan(self.x, self.dt, self.A, self.B, self.C, CHUNK, self.D, self.z,
+                                    self.dt_bias, self.ssm_states, self.qsl, self.idx, self.has,
+                                    metadata=self.metadata)
+
+    def state_update(self):
+        return ops.selective_state_update(self.ssm_states, self.x, self.dt, self.A, self.B, self.C, self.D,
+                                          self.z, self.dt_bias, self.idx)
+
+    def norm(self):
+        return ops.rms_norm_gated(self.y, self.norm_w, self.z.view(self.T, D_INNER), 1e-5, D_INNER)
+
+    # minimum bytes and FLOPs
+    def conv_bytes(self):
+        n_init = int(self.has.sum())
+        state_rows = (WIDTH - 1) * CONV_DIM * 2 * (n_init + self.batch)  # read where initial, write all
+        return 2 * self.T * CONV_DIM * 2 + state_rows + CONV_DIM * (WIDTH + 1) * 2
+
+    def conv_flops(self):
+        return 2 * WIDTH * self.T * CONV_DIM
+
+    def scan_bytes(self):
+        n_init = int(self.has.sum())
+        act = self.T * (3 * D_INNER + NHEADS + 2 * NGROUPS * DSTATE) * 2  # x, z, y, dt, B, C
+        return act + (n_init + self.batch) * STATE_BYTES
+
+    def scan_flops(self):
+        pairs = sum(min(CHUNK, n - c) * (min(CHUNK, n - c) + 1) // 2 for n in self.lens for c in range(0, n, CHUNK))
+        states = 2 * 2 * self.T * NHEADS * HEADDIM * DSTATE  # chunk states + state read-out
+        return states + pairs * 2 * (NGROUPS * DSTATE + NHEADS * HEADDIM)
+
+    def state_update_bytes(self):
+        return self.batch * (2 * STATE_BYTES + (3 * D_INNER + NHEADS + 2 * NGROUPS * DSTATE) * 2)
+
+    def norm_bytes(self):
+        return 3 * self.T * D_INNER * 2
+
+
+# vLLM 0.33 Triton kernels on this H200 at these shapes (the issue's figures), and our targets
+PREFILL_BASELINE_US = {"conv1d": 190.0, "mamba_chunk_scan": 810.0}
+PREFILL_TARGET_US = {"conv1d": 140.0, "mamba_chunk_scan": 500.0}
+
+
+@register
+def mamba_prefill_cases() -> list[Case]:
+    cases = []
+    for name, (lens, has) in BATCHES.items():
+        layer = Layer(lens, has)
+        big = name == "prefill 31500"
+        cases.append(Case(
+            f"causal_conv1d {name}", "conv1d", layer.conv1d, layer.conv_bytes(), layer.conv_flops(),
+            target_us=PREFILL_TARGET_US["conv1d"] if big else None,
+            baseline_us=PREFILL_BASELINE_US["conv1d"] if big else None,
+            note="target: >= 70% of copy bandwidth" if big else "one launch for the whole batch"))
+        cases.append(Case(
+            f"mamba_chunk_scan {name}", "ssd", layer.chunk_scan, layer.scan_bytes(), layer.scan_flops(),
+            target_us=PREFILL_TARGET_US["mamba_chunk_scan"] if big else None,
+            baseline_us=PREFILL_BASELINE_US["mamba_chunk_scan"] if big else None))
+        cases.append(Case(f"rms_norm_gated {name}", "norm", layer.norm, layer.norm_bytes()))
+    return cases
+
+
+@register
+def mamba_decode_cases() -> list[Case]:
+    cases = []
+    for batch in DECODE_BATCHES:
+        layer = Layer([1] * batch, [True] * batch)
+        conv_bytes = layer.conv_bytes()
+        cases.append(Case(
+            f"causal_conv1d_update decode {batch}", "conv1d", layer.conv1d_update, conv_bytes,
+            layer.conv_flops(), target_us=11.0 if batch == 1 else None,
+            baseline_us=11.0 if batch == 1 else None,
+            note="target: >= 85% of copy bandwidth" if batch == 256 else "vLLM: 6-11 us"))
+        cases.append(Case(
+            f"causal_conv1d (varlen) decode {batch}", "conv1d", layer.conv1d, conv_bytes, layer.conv_flops(),
+            note="the mixed-batch kernel on a decode-only batch"))
+        ssu_bytes = layer.state_update_bytes()
+        cases.append(Case(
+            f"selective_state_update decode {batch}", "state_update", layer.state_update, ssu_bytes,
+            5 * batch * NHEADS * HEADDIM * DSTATE,
+            target_us={1: 5.9, 256: 210.0}.get(batch), baseline_us={1: 5.9, 256: 210.0}.get(batch),
+            note="target: >= 85% of copy bandwidth" if batch == 256 else ""))
+    return cases
+
+
+# --- offline tuning --------------------------------------------------------------------------
+
+SWEEPS = [  # (case name, module, config attribute, variants)
+    ("causal_conv1d prefill 31500", conv1d_mod, "CONV_CONFIG", [
+        {"block_t": 64, "block_d": 128, "num_warps": 4}, {"block_t": 32, "block_d": 256, "num_warps": 4},
+        {"block_t": 64, "block_d": 256, "num_warps": 8}, {"block_t": 128, "block_d": 128, "num_warps": 8},
+        {"block_t": 32, "block_d": 128, "num_warps": 4}]),
+    ("causal_conv1d_update decode 256", conv1d_mod, "UPDATE_CONFIG", [
+        {"block_d": 256, "num_warps": 4}, {"block_d": 128, "num_warps": 4}, {"block_d": 512, "num_warps": 4}]),
+    ("selective_state_update decode 256", state_update_mod, "STATE_UPDATE_CONFIG", [
+        {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 4}, {"block_p": 32, "num_warps": 4},
+        {"block_p": 32, "num_warps": 8}, {"block_p": 64, "num_warps": 8}, {"block_p": 8, "num_warps": 2}]),
+    ("selective_state_update decode 1", state_update_mod, "STATE_UPDATE_CONFIG", [
+        {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 4}, {"block_p": 4, "num_warps": 2}]),
+    ("mamba_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATE_CONFIG", [
+        {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
+        {"block_k": 32, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
+        {"block_k": 64, "block_p": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
+        {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
+        {"block_k": 128, "block_p": 64, "block_n": 128, "num_warps": 8, "num_stages": 2}]),
+    ("mamba_chunk_scan prefill 31500", ssd_mod, "SCAN_CONFIG", [
+        {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 2},
+        {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 3},
+        {"block_m": 128, "block_k": 64, "block_p": 64, "num_warps": 8, "num_stages": 2},
+        {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2},
+        {"block_m": 128, "block_k": 128, "block_p": 64, "num_warps": 8, "num_stages": 2},
+        {"block_m": 64, "block_k": 64, "block_p": 32, "num_warps": 4, "num_stages": 2}]),
+    ("mamba_chunk_scan prefill 31500", ssd_mod, "PASSING_CONFIG", [
+        {"block": 512, "num_warps": 4}, {"block": 256, "num_warps": 2}, {"block": 1024, "num_warps": 4}]),
+    ("mamba_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATES_FP32", [True, False]),
+]
+
+
+def _fresh_case(name: str) -> Case:
+    for builder in CASE_BUILDERS:
+        for case in builder():
+            if case.name == name:
+                return case
+    raise KeyError(name)
+
+
+def sweep(copy_gbs: float, rows: list, save: Callable[[], None]) -> None:
+    """Time config variants (appended to rows, saved after each); each variant's first output
+    (fresh state) is checked against the first variant's."""
+    for case_name, module, attr, variants in SWEEPS:
+        original = getattr(module, attr)
+        base_out = None
+        for variant in variants:
+            setattr(module, attr, variant)
+            row = {"case": case_name, "config": f"{module.__name__}.{attr}", "variant": variant}
+            try:
+                case = _fresh_case(case_name)
+                out = case.fn()
+                torch.cuda.synchronize()
+                if base_out is None:
+                    base_out = out.float().clone()
+                err = float((out.float() - base_out).norm() / base_out.norm())
+                row["rel_err_vs_first"] = err
+                row["gpu_us"] = gpu_time_us(case.fn)
+                row["frac_bw"] = case.bytes / (row["gpu_us"] * 1e-6) / 1e9 / copy_gbs
+                del case, out
+            except Exception as e:  # a variant that fails to compile or run is reported, not fatal
+                row["error"] = repr(e)[:300]
+            rows.append(row)
+            save()
+            print(f"  sweep {case_name:36s} {attr:20s} {str(variant):90s} "
+                  f"{row.get('gpu_us', float('nan')):9.1f} us  err {row.get('rel_err_vs_first', float('nan')):.1e}"
+                  + (f"  {row['error']}" if "error" in row else ""), flush=True)
+        setattr(module, attr, original)
+        torch.cuda.empty_cache()
+
+
+def ssd_breakdown(case: Case) -> dict[str, float]:
+    """Per-kernel device time of one call (torch profiler, eager, no L2 flush)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    case.fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            case.fn()
+        torch.cuda.synchronize()
+    out = {}
+    for evt in prof.key_averages():
+        if "kernel" in evt.key:
+            out[evt.key] = getattr(evt, "device_time", getattr(evt, "cuda_time", 0.0))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--only", default=None, help="run only the cases whose name contains this")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
+    gpu = torch.cuda.get_device_name()
+    path = args.output_json or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results",
+        "kernels-" + re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json")
+    import triton
+
+    result = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+              "timing": "CUDA graph replay between events, L2 flushed before each, median", "cases": []}
+    copy_gbs = copy_bandwidth_gbs()
+    result["copy_bandwidth_GBps"] = copy_gbs
+    print(f"{gpu}: device-to-device copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    header = f"{'case':44s} {'gpu us':>9s} {'host us':>8s} {'MB':>8s} {'GB/s':>7s} {'%bw':>5s} {'TFLOP/s':>8s} {'target us':>9s} {'vLLM us':>8s}"
+    lines = []
+    for builder in CASE_BUILDERS:
+        for case in builder():
+            if args.only and args.only not in case.name:
+                continue
+            row = {"name": case.name, "group": case.group, "bytes": case.bytes, "flops": case.flops,
+                   "target_us": case.target_us, "baseline_us": case.baseline_us, "note": case.note}
+            try:
+                row["gpu_us"] = gpu_time_us(case.fn)
+                row["host_us"] = host_time_us(case.fn)
+                row["GBps"] = case.bytes / (row["gpu_us"] * 1e-6) / 1e9
+                row["frac_copy_bw"] = row["GBps"] / copy_gbs
+                row["TFLOPs"] = case.flops / (row["gpu_us"] * 1e-6) / 1e12
+                if case.group == "ssd" and "31500" in case.name:
+                    row["kernels_us_profiler"] = ssd_breakdown(case)
+            except Exception as e:
+                row["error"] = repr(e)[:500]
+            result["cases"].append(row)
+            fmt = lambda v, f: (f % v) if isinstance(v, (int, float)) and v is not None and not math.isnan(v) else "-"
+            line = (f"{case.name:44s} {fmt(row.get('gpu_us'), '%9.1f'):>9s} {fmt(row.get('host_us'), '%8.1f'):>8s} "
+                    f"{case.bytes / 1e6:8.1f} {fmt(row.get('GBps'), '%7.0f'):>7s} "
+                    f"{fmt(100 * row['frac_copy_bw'] if 'frac_copy_bw' in row else None, '%5.0f'):>5s} "
+                    f"{fmt(row.get('TFLOPs'), '%8.1f'):>8s} {fmt(case.target_us, '%9.1f'):>9s} "
+                    f"{fmt(case.baseline_us, '%8.1f'):>8s}" + (f"  ERROR {row['error']}" if "error" in row else ""))
+            lines.append(line)
+            print(line, flush=True)
+            if "kernels_us_profiler" in row:
+                for k, v in row["kernels_us_profiler"].items():
+                    print(f"    {k[:60]:60s} {v:9.1f} us", flush=True)
+            del case
+            save()
+        torch.cuda.empty_cache()
+    if args.sweep:
+        result["sweep"] = []
+        sweep(copy_gbs, result["sweep"], save)
+    print()
+    print(f"{gpu}, copy bandwidth {copy_gbs:.0f} GB/s")
+    print(header)
+    print("\n".join(lines))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

@@ -1,0 +1,218 @@
+"""Triton kernels for the depthwise causal conv1d of Mamba2 (the short conv on x, B, C).
+
+`causal_conv1d_triton` runs one launch over a packed batch that mixes prefills and one-token
+decodes: the grid is (token blocks of all sequences, feature blocks), so a long prompt is split
+along its length and decodes cost one small program each. `causal_conv1d_update_triton` is the
+decode-only variant (one token per sequence, no host metadata: safe inside CUDA graphs).
+
+Conv states are (num_slots, width - 1, dim), contiguous along dim, so every state row is one
+coalesced load or store. A state index of -1 marks padding: its output is computed as if it had
+no initial state and no slot is read or written.
+
+Math and semantics: `mambaserve.ops.reference.causal_conv1d` (Mamba2 paper, section 7: the
+short convolution before the SSM). This module knows nothing about models or the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mambaserve.ops.varlen import conv_token_blocks
+
+# Fixed launch configs (tuned offline with benchmarks/kernels.py; never autotuned, since the
+# kernels write conv states in place).
+CONV_CONFIG = {"block_t": 64, "block_d": 128, "num_warps": 4}
+UPDATE_CONFIG = {"block_d": 256, "num_warps": 4}
+
+
+@triton.jit
+def _causal_conv1d_varlen_kernel(
+    x_ptr, w_ptr, bias_ptr, states_ptr, out_ptr,
+    qsl_ptr, state_idx_ptr, has_init_ptr, block_seq_ptr, block_start_ptr,
+    dim,
+    stride_x_t, stride_w_d, stride_w_k, stride_s_slot, stride_s_row, stride_o_t,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    seq = tl.load(block_seq_ptr + pid_t)
+    p0 = tl.load(block_start_ptr + pid_t)  # first position of this block inside its sequence
+    start = tl.load(qsl_ptr + seq).to(tl.int64)
+    seqlen = tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq)
+    slot = tl.load(state_idx_ptr + seq).to(tl.int64)
+    use_state = (slot >= 0) & (tl.load(has_init_ptr + seq) != 0)
+    # state rows readable for this sequence (masks are built from integer bounds, not from
+    # scalar booleans, which some Triton interpreter versions cannot combine with tensors)
+    n_state = use_state.to(tl.int32) * (WIDTH - 1)
+
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < dim
+    p = p0 + tl.arange(0, BLOCK_T)  # positions inside the sequence
+    p_mask = p < seqlen
+    state_base = states_ptr + slot * stride_s_slot
+
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    for k in tl.static_range(WIDTH):
+        # tap k reads input position p + k - (width - 1); negative positions are state rows
+        src = p + (k - (WIDTH - 1))
+        m = (src >= 0) & p_mask
+        xk = tl.load(x_ptr + (start + src)[:, None] * stride_x_t + d[None, :],
+                     mask=m[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        if p0 < WIDTH - 1:
+            ms = (src + (WIDTH - 1) < n_state) & p_mask
+            xk += tl.load(state_base + (src + (WIDTH - 1))[:, None] * stride_s_row + d[None, :],
+                          mask=ms[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        wk = tl.load(w_ptr + d * stride_w_d + k * stride_w_k, mask=d_mask, other=0.0).to(tl.float32)
+        acc += xk * wk[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + (start + p)[:, None] * stride_o_t + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=p_mask[:, None] & d_mask[None, :])
+
+    # The first block of a sequence is the only program that reads its old state, so it also
+    # writes the new one: row r of the new state is element seqlen + r of concat(old, x).
+    if p0 == 0:
+        if slot >= 0:
+            r = tl.arange(0, ROWS)
+            src = seqlen + r - (WIDTH - 1)
+            r_mask = r < WIDTH - 1
+            mx = r_mask & (src >= 0)
+            ms = r_mask & (src < 0) & (src + (WIDTH - 1) < n_state)
+            new = tl.load(x_ptr + (start + src)[:, None] * stride_x_t + d[None, :],
+                          mask=mx[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+            new += tl.load(state_base + (src + (WIDTH - 1))[:, None] * stride_s_row + d[None, :],
+                           mask=ms[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+            tl.debug_barrier()  # every read of the old state happens before the first write
+            tl.store(state_base + r[:, None] * stride_s_row + d[None, :],
+                     new.to(states_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _causal_conv1d_update_kernel(
+    x_ptr, w_ptr, bias_ptr, states_ptr, out_ptr, state_idx_ptr,
+    dim,
+    stride_x_b, stride_w_d, stride_w_k, stride_s_slot, stride_s_row, stride_o_b,
+    WIDTH: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    slot = tl.load(state_idx_ptr + b).to(tl.int64)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_mask = d < dim
+    r = tl.arange(0, ROWS)
+    r_mask = r < WIDTH - 1
+    state_base = states_ptr + slot * stride_s_slot
+
+    x = tl.load(x_ptr + b.to(tl.int64) * stride_x_b + d, mask=d_mask, other=0.0).to(tl.float32)
+    n_state = (slot >= 0).to(tl.int32) * (WIDTH - 1)  # state rows readable (0 for padding)
+    ms = (r < n_state)[:, None] & d_mask[None, :]
+    old = tl.load(state_base + r[:, None] * stride_s_row + d[None, :], mask=ms, other=0.0).to(tl.float32)
+    w_old = tl.load(w_ptr + d[None, :] * stride_w_d + r[:, None] * stride_w_k,
+                    mask=r_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    w_new = tl.load(w_ptr + d * stride_w_d + (WIDTH - 1) * stride_w_k, mask=d_mask, other=0.0).to(tl.float32)
+    acc = tl.sum(old * w_old, axis=0) + x * w_new
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(out_ptr + b.to(tl.int64) * stride_o_b + d, acc.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+    if slot >= 0:
+        # new row r = old row r + 1, the last row = x
+        ms1 = ((r + 1 < WIDTH - 1) & r_mask)[:, None] & d_mask[None, :]
+        new = tl.load(state_base + (r + 1)[:, None] * stride_s_row + d[None, :], mask=ms1, other=0.0)
+        new = tl.where((r == WIDTH - 2)[:, None], x[None, :].to(new.dtype), new)
+        tl.debug_barrier()  # all reads of the slot precede the writes
+        tl.store(state_base + r[:, None] * stride_s_row + d[None, :], new.to(states_ptr.dtype.element_ty),
+                 mask=r_mask[:, None] & d_mask[None, :])
+
+
+def _check_states(conv_states: torch.Tensor) -> None:
+    if conv_states.stride(2) != 1:
+        raise ValueError("conv_states must be contiguous along dim (stride 1 on the last axis)")
+
+
+def causal_conv1d_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+    metadata: dict | None = None,
+) -> torch.Tensor:
+    """Varlen causal conv1d over a packed prefill/decode batch, one launch.
+
+    x: (num_tokens, dim), stride(1) == 1, any row stride (a column slice of in_proj's output);
+    weight: (dim, width); bias: (dim,) or None; conv_states: (num_slots, width - 1, dim),
+    contiguous along dim, updated in place; query_start_loc: (batch + 1,) int32;
+    state_indices: (batch,) int32, -1 = padding; has_initial_state: (batch,) bool.
+    metadata: the per-step dict (token blocks are cached in it); None computes them.
+    Returns (num_tokens, dim) in x.dtype. Semantics: `reference.causal_conv1d`.
+    """
+    num_tokens, dim = x.shape
+    width = weight.shape[1]
+    if x.stride(1) != 1:
+        raise ValueError("x must have stride 1 along dim")
+    _check_states(conv_states)
+    cfg = CONV_CONFIG
+    blocks = conv_token_blocks(query_start_loc, cfg["block_t"], metadata)
+    out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
+    if blocks.num_blocks == 0 or dim == 0:
+        return out
+    grid = (blocks.num_blocks, triton.cdiv(dim, cfg["block_d"]))
+    _causal_conv1d_varlen_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_states, out,
+        query_start_loc, state_indices, has_initial_state, blocks.block_seq, blocks.block_start,
+        dim,
+        x.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0), conv_states.stride(1),
+        out.stride(0),
+        WIDTH=width, ROWS=max(1, triton.next_power_of_2(width - 1)), HAS_BIAS=bias is not None,
+        SILU=activation in ("silu", "swish"),
+        BLOCK_T=cfg["block_t"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
+    )
+    return out
+
+
+def causal_conv1d_update_triton(
+    x: torch.Tensor,
+    conv_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Conv1d for a decode-only batch, one token per sequence, states updated in place.
+
+    x: (batch, dim), stride(1) == 1; conv_states: (num_slots, width - 1, dim), contiguous
+    along dim; weight: (dim, width); bias: (dim,) or None; state_indices: (batch,), -1 =
+    padding (output as if from a zero state, no slot touched). Returns (batch, dim) in x.dtype.
+    No host metadata and no host sync: safe to capture in a CUDA graph.
+    """
+    batch, dim = x.shape
+    width = weight.shape[1]
+    if x.stride(1) != 1:
+        raise ValueError("x must have stride 1 along dim")
+    _check_states(conv_states)
+    out = torch.empty((batch, dim), dtype=x.dtype, device=x.device)
+    if batch == 0 or dim == 0:
+        return out
+    cfg = UPDATE_CONFIG
+    grid = (batch, triton.cdiv(dim, cfg["block_d"]))
+    _causal_conv1d_update_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_states, out, state_indices,
+        dim,
+        x.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0), conv_states.stride(1),
+        out.stride(0),
+        WIDTH=width, ROWS=max(1, triton.next_power_of_2(width - 1)), HAS_BIAS=bias is not None,
+        SILU=activation in ("silu", "swish"), BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
+    )
+    return out

@@ -1,0 +1,118 @@
+"""Triton kernel for the gated RMSNorm of Mamba2 (norm over groups of features, silu(z) gate).
+
+One program normalizes a (block_m rows, one group) tile in a single pass when the group fits
+in a block (the usual case: hidden / n_groups <= 8192), or in two passes over the group
+otherwise. Rows may have any stride (z is usually a column slice of in_proj's output).
+
+Math: `mambaserve.ops.reference.rms_norm_gated` (Mamba2 paper, section 7.2, "extra
+normalization"). This module knows nothing about models or the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK_N = 8192  # widest group handled in a single pass
+TILE_ELEMENTS = 4096  # rows per program = TILE_ELEMENTS // block_n (at least 1)
+
+
+@triton.jit
+def _rms_norm_gated_kernel(
+    x_ptr, w_ptr, z_ptr, out_ptr,
+    num_rows, group_size, eps,
+    stride_x_m, stride_z_m, stride_o_m,
+    HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    g = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_rows
+    rows = rows.to(tl.int64)
+    col0 = g * group_size
+    cols = tl.arange(0, BLOCK_N)
+
+    if SINGLE_PASS:
+        mask = row_mask[:, None] & (cols < group_size)[None, :]
+        c = col0 + cols
+        v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_Z:
+            zv = tl.load(z_ptr + rows[:, None] * stride_z_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if not NORM_BEFORE_GATE:
+                v = v * zv * tl.sigmoid(zv)
+        rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / group_size + eps)
+        w = tl.load(w_ptr + c, mask=cols < group_size, other=0.0).to(tl.float32)
+        o = v * rstd[:, None] * w[None, :]
+        if HAS_Z:
+            if NORM_BEFORE_GATE:
+                o = o * zv * tl.sigmoid(zv)
+        tl.store(out_ptr + rows[:, None] * stride_o_m + c[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for n0 in range(0, group_size, BLOCK_N):
+            c = col0 + n0 + cols
+            mask = row_mask[:, None] & (n0 + cols < group_size)[None, :]
+            v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_Z:
+                if not NORM_BEFORE_GATE:
+                    zv = tl.load(z_ptr + rows[:, None] * stride_z_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                    v = v * zv * tl.sigmoid(zv)
+            sq += tl.sum(v * v, axis=1)
+        rstd = 1.0 / tl.sqrt(sq / group_size + eps)
+        for n0 in range(0, group_size, BLOCK_N):
+            c = col0 + n0 + cols
+            mask = row_mask[:, None] & (n0 + cols < group_size)[None, :]
+            v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_Z:
+                zv = tl.load(z_ptr + rows[:, None] * stride_z_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+                if not NORM_BEFORE_GATE:
+                    v = v * zv * tl.sigmoid(zv)
+            w = tl.load(w_ptr + c, mask=n0 + cols < group_size, other=0.0).to(tl.float32)
+            o = v * rstd[:, None] * w[None, :]
+            if HAS_Z:
+                if NORM_BEFORE_GATE:
+                    o = o * zv * tl.sigmoid(zv)
+            tl.store(out_ptr + rows[:, None] * stride_o_m + c[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_gated_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor | None,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """Gated RMSNorm over groups of group_size features.
+
+    x, z: (num_tokens, hidden), any row stride (a non-unit feature stride is copied first);
+    weight: (hidden,); hidden % group_size == 0. norm_before_gate=False computes
+    weight * rmsnorm_g(x * silu(z)); True computes weight * rmsnorm_g(x) * silu(z).
+    Returns a contiguous (num_tokens, hidden) tensor in x.dtype.
+    """
+    num_rows, hidden = x.shape
+    if hidden % group_size != 0:
+        raise ValueError(f"hidden ({hidden}) must be a multiple of group_size ({group_size})")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if z is not None and z.stride(1) != 1:
+        z = z.contiguous()
+    weight = weight.contiguous()
+    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    if num_rows == 0 or hidden == 0:
+        return out
+    single = triton.next_power_of_2(group_size) <= MAX_BLOCK_N
+    block_n = triton.next_power_of_2(group_size) if single else MAX_BLOCK_N // 2
+    block_m = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(num_rows)))
+    num_warps = 4 if block_m * block_n <= 2048 else 8
+    zz = z if z is not None else x
+    grid = (triton.cdiv(num_rows, block_m), hidden // group_size)
+    _rms_norm_gated_kernel[grid](
+        x, weight, zz, out, num_rows, group_size, eps,
+        x.stride(0), zz.stride(0), out.stride(0),
+        HAS_Z=z is not None, NORM_BEFORE_GATE=bool(norm_before_gate), SINGLE_PASS=single,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )
+    return out

@@ -1,0 +1,407 @@
+"""Triton kernels for the Mamba2 SSD chunked scan over variable-length packed sequences.
+
+The algorithm is the Mamba2 paper's (Dao & Gu, "Transformers are SSMs", section 6 and the
+minimal SSD listing), with every chunk inside one sequence (chunk boundaries per sequence are
+host metadata, `mambaserve.ops.varlen.ssd_chunks`). Four launches:
+
+1. `_chunk_state_kernel`, grid (chunks, heads, p/n blocks): dt' = clamp(softplus(dt +
+   dt_bias), dt_limit), the in-chunk cumulative sum of dt' A (stored for steps 3 and 4), and
+   the chunk's own contribution to the state at its end,
+   s_c = sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T (float32). The chunk is walked in blocks of
+   rows with the running sum rescaled as it goes (as in online softmax), so no block needs the
+   chunk total in advance.
+2. `_chunk_cb_kernel`, grid (chunks x groups, row blocks, column blocks): C B^T of each chunk
+   and group, lower block triangle only (shared by all heads of the group).
+3. `_state_passing_kernel`, grid (sequences, heads, state blocks): walks each sequence's chunks
+   in order from its initial state (read from the pool by state index, or zero), stores the
+   state entering every chunk (in x's dtype, for step 4) and writes the final state to the pool
+   (float32 accumulation; the pool may be float32, bfloat16 or float16).
+4. `_chunk_scan_kernel`, grid (chunks x row blocks, heads): y = exp(cs) C h_in (inter-chunk)
+   + (C B^T * exp(cs_i - cs_j) * dt'_j, causal) x (intra-chunk), + D x, times silu(z).
+
+A state index of -1 marks padding: that sequence starts from a zero state and no slot is read or
+written. Semantics: `mambaserve.ops.reference.mamba_chunk_scan`. The kernels write the state
+pool in place, so their configs are fixed (tuned offline with benchmarks/kernels.py).
+This module knows nothing about models or the engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mambaserve.ops.state_update import _process_dt, dt_limit_args
+from mambaserve.ops.varlen import ssd_chunks
+
+# Fixed launch configs; block sizes are capped by the problem's own sizes at launch.
+CHUNK_STATE_CONFIG = {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
+CB_CONFIG = {"block_m": 64, "block_k": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
+PASSING_CONFIG = {"block": 512, "num_warps": 4}
+# Per-chunk state contributions are kept in float32 (as mamba_ssm does); False stores them in
+# x's dtype, halving the bytes between steps 1 and 3 at the cost of one rounding per chunk.
+CHUNK_STATES_FP32 = True
+SCAN_CONFIG = {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 2}
+
+
+@triton.jit
+def _chunk_state_kernel(
+    x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr,
+    dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr,
+    num_tokens, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_dt_t, stride_dt_h,
+    stride_B_t, stride_B_g, stride_B_n,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    pid_pn = tl.program_id(2)
+    num_n_blocks = tl.cdiv(dstate, BLOCK_N)
+    pid_p = pid_pn // num_n_blocks
+    pid_n = pid_pn % num_n_blocks
+    g = h // heads_per_group
+    start = tl.load(chunk_start_ptr + c)
+    chunk_len = tl.load(chunk_end_ptr + c) - start
+    start = start.to(tl.int64)
+
+    A = tl.load(A_ptr + h).to(tl.float32)
+    dt_bias = 0.0
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    p_mask = p < headdim
+    n_mask = n < dstate
+    # one program per (chunk, head) stores dt' and the cumsum (as a bound: rows < k_write)
+    k_write = (pid_pn == 0).to(tl.int32) * chunk_len
+
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    cs_carry = A * 0.0  # cumsum of dt' A up to the end of the previous block of rows
+    t_base = h.to(tl.int64) * num_tokens + start  # row of this chunk in the (nheads, tokens) buffers
+    for k0 in range(0, chunk_len, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < chunk_len
+        rows = start + k
+        dt = tl.load(dt_ptr + rows * stride_dt_t + h * stride_dt_h, mask=k_mask, other=0.0).to(tl.float32)
+        dt = _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+        dt = tl.where(k_mask, dt, 0.0)
+        dA = dt * A
+        block_total = tl.sum(dA, axis=0)
+        cs = cs_carry + tl.cumsum(dA, axis=0)
+        tl.store(dt_out_ptr + t_base + k, dt, mask=k < k_write)
+        tl.store(cs_out_ptr + t_base + k, cs, mask=k < k_write)
+        cs_carry = cs_carry + block_total
+        weight = tl.exp(cs_carry - cs) * dt  # decay from row to the end of this block, times dt'
+        xT = tl.load(x_ptr + rows[None, :] * stride_x_t + h * stride_x_h + p[:, None] * stride_x_p,
+                     mask=p_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        xT = (xT * weight[None, :]).to(OPERAND_DTYPE).to(DOT_DTYPE)
+        Bk = tl.load(B_ptr + rows[:, None] * stride_B_t + g * stride_B_g + n[None, :] * stride_B_n,
+                     mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+        acc = acc * tl.exp(block_total) + tl.dot(xT, Bk, input_precision=DOT_PRECISION)
+    if pid_pn == 0:
+        tl.store(chunk_dA_ptr + c.to(tl.int64) * nheads + h, cs_carry)
+    s_ptrs = (states_ptr + (c.to(tl.int64) * nheads + h) * headdim * dstate
+              + p[:, None] * dstate + n[None, :])
+    tl.store(s_ptrs, acc.to(states_ptr.dtype.element_ty), mask=p_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _chunk_cb_kernel(
+    C_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr, cb_ptr,
+    ngroups, dstate, chunk_size,
+    stride_C_t, stride_C_g, stride_C_n,
+    stride_B_t, stride_B_g, stride_B_n,
+    OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_cg = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    c = pid_cg // ngroups
+    g = pid_cg % ngroups
+    start = tl.load(chunk_start_ptr + c)
+    chunk_len = tl.load(chunk_end_ptr + c) - start
+    start = start.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    k0 = pid_k * BLOCK_K
+    # only blocks on or below the diagonal, inside the chunk, are ever read
+    if (k0 < m0 + BLOCK_M) & (m0 < chunk_len):
+        m = m0 + tl.arange(0, BLOCK_M)
+        k = k0 + tl.arange(0, BLOCK_K)
+        m_mask = m < chunk_len
+        k_mask = k < chunk_len
+        acc = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, dstate, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = n < dstate
+            Cm = tl.load(C_ptr + (start + m)[:, None] * stride_C_t + g * stride_C_g + n[None, :] * stride_C_n,
+                         mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+            BkT = tl.load(B_ptr + (start + k)[None, :] * stride_B_t + g * stride_B_g + n[:, None] * stride_B_n,
+                          mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+            acc += tl.dot(Cm, BkT, input_precision=DOT_PRECISION)
+        base = cb_ptr + pid_cg.to(tl.int64) * chunk_size * chunk_size
+        tl.store(base + m[:, None] * chunk_size + k[None, :], acc,
+                 mask=(m < chunk_size)[:, None] & (k < chunk_size)[None, :])
+
+
+@triton.jit
+def _state_passing_kernel(
+    states_ptr, chunk_dA_ptr, state_in_ptr, pool_ptr, seq_chunk_ptr, state_idx_ptr, has_init_ptr,
+    nheads, state_size, dstate,
+    stride_pool_slot, stride_pool_h, stride_pool_p, stride_pool_n,
+    BLOCK: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)  # flat (p, n) index inside the head
+    e_mask = e < state_size
+    slot = tl.load(state_idx_ptr + seq).to(tl.int64)
+    use_init = (slot >= 0) & (tl.load(has_init_ptr + seq) != 0)
+    c_begin = tl.load(seq_chunk_ptr + seq)
+    c_end = tl.load(seq_chunk_ptr + seq + 1)
+    pool_ptrs = (pool_ptr + slot * stride_pool_slot + h * stride_pool_h
+                 + (e // dstate) * stride_pool_p + (e % dstate) * stride_pool_n)
+    # masks from integer bounds (scalar booleans do not combine with tensors in some
+    # Triton interpreter versions): elements e < bound are live
+    state = tl.load(pool_ptrs, mask=e < use_init.to(tl.int32) * state_size, other=0.0).to(tl.float32)
+
+    head_stride = nheads * state_size
+    # Four chunks per step: their loads are all issued before the dependent updates, so the
+    # walk is not one memory latency per chunk.
+    for i in range(0, c_end - c_begin, 4):
+        c = c_begin + i
+        c64 = c.to(tl.int64)
+        off = c64 * head_stride + h * state_size + e
+        m1 = c + 1 < c_end
+        m2 = c + 2 < c_end
+        m3 = c + 3 < c_end
+        e1 = e < m1.to(tl.int32) * state_size
+        e2 = e < m2.to(tl.int32) * state_size
+        e3 = e < m3.to(tl.int32) * state_size
+        s0 = tl.load(states_ptr + off, mask=e_mask, other=0.0).to(tl.float32)
+        s1 = tl.load(states_ptr + off + head_stride, mask=e1, other=0.0).to(tl.float32)
+        s2 = tl.load(states_ptr + off + 2 * head_stride, mask=e2, other=0.0).to(tl.float32)
+        s3 = tl.load(states_ptr + off + 3 * head_stride, mask=e3, other=0.0).to(tl.float32)
+        a0 = tl.exp(tl.load(chunk_dA_ptr + c64 * nheads + h))
+        a1 = tl.exp(tl.load(chunk_dA_ptr + (c64 + 1) * nheads + h, mask=m1, other=0.0))
+        a2 = tl.exp(tl.load(chunk_dA_ptr + (c64 + 2) * nheads + h, mask=m2, other=0.0))
+        a3 = tl.exp(tl.load(chunk_dA_ptr + (c64 + 3) * nheads + h, mask=m3, other=0.0))
+        out_ty = state_in_ptr.dtype.element_ty
+        tl.store(state_in_ptr + off, state.to(out_ty), mask=e_mask)
+        state = state * a0 + s0
+        tl.store(state_in_ptr + off + head_stride, state.to(out_ty), mask=e1)
+        state = state * a1 + s1
+        tl.store(state_in_ptr + off + 2 * head_stride, state.to(out_ty), mask=e2)
+        state = state * a2 + s2
+        tl.store(state_in_ptr + off + 3 * head_stride, state.to(out_ty), mask=e3)
+        state = state * a3 + s3
+    if slot >= 0:
+        tl.debug_barrier()  # the initial-state read of every thread precedes the final write
+        tl.store(pool_ptrs, state.to(pool_ptr.dtype.element_ty), mask=e_mask)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    x_ptr, z_ptr, C_ptr, D_ptr, cb_ptr, dt_ptr, cs_ptr, state_in_ptr, y_ptr,
+    chunk_start_ptr, chunk_end_ptr,
+    num_tokens, nheads, headdim, dstate, ngroups, heads_per_group, chunk_size, num_m_blocks,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_z_t, stride_z_h, stride_z_p,
+    stride_C_t, stride_C_g, stride_C_n,
+    stride_y_t, stride_y_h, stride_y_p,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_cm = tl.program_id(0)
+    pid_hp = tl.program_id(1)
+    c = pid_cm // num_m_blocks
+    m0 = (pid_cm % num_m_blocks) * BLOCK_M
+    num_p_blocks = tl.cdiv(headdim, BLOCK_P)
+    h = pid_hp // num_p_blocks
+    pid_p = pid_hp % num_p_blocks
+    g = h // heads_per_group
+    start = tl.load(chunk_start_ptr + c)
+    chunk_len = tl.load(chunk_end_ptr + c) - start
+    if m0 >= chunk_len:
+        return
+    start = start.to(tl.int64)
+    m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = m < chunk_len
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_mask = p < headdim
+    n = tl.arange(0, BLOCK_N)
+    n_mask = n < dstate
+    t_base = h.to(tl.int64) * num_tokens + start  # row of this chunk in the (nheads, tokens) buffers
+    # rows past the chunk get cs = -inf: every decay into them is exactly 0 (no inf * 0)
+    cs_m = tl.load(cs_ptr + t_base + m, mask=m_mask, other=float("-inf"))
+
+    # inter-chunk: the state entering the chunk, read out by C and decayed to each row
+    Cm = tl.load(C_ptr + (start + m)[:, None] * stride_C_t + g * stride_C_g + n[None, :] * stride_C_n,
+                 mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+    hT = tl.load(state_in_ptr + (c.to(tl.int64) * nheads + h) * headdim * dstate
+                 + p[None, :] * dstate + n[:, None],
+                 mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+    acc = tl.dot(Cm, hT, input_precision=DOT_PRECISION) * tl.exp(cs_m)[:, None]
+
+    # intra-chunk: causal (C B^T * decay * dt') x over the rows up to the diagonal
+    cb_base = cb_ptr + (c.to(tl.int64) * ngroups + g) * chunk_size * chunk_size
+    k_end = tl.minimum(m0 + BLOCK_M, chunk_len)
+    for k0 in range(0, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < k_end
+        causal = (m[:, None] >= k[None, :]) & k_mask[None, :]
+        # only entries on or below the diagonal were computed by _chunk_cb_kernel
+        cb = tl.load(cb_base + m[:, None] * chunk_size + k[None, :], mask=causal & m_mask[:, None], other=0.0)
+        cs_k = tl.load(cs_ptr + t_base + k, mask=k_mask, other=0.0)
+        dt_k = tl.load(dt_ptr + t_base + k, mask=k_mask, other=0.0)
+        if k0 + BLOCK_K <= m0:
+            # a block wholly below the diagonal: the decay factors through the block's last
+            # row c0, exp(cs_m - cs_k) = exp(cs_m - cs_c0) exp(cs_c0 - cs_k), both factors
+            # <= 1 for a decaying state: BLOCK_M + BLOCK_K exponentials, not their product
+            cs_c0 = tl.load(cs_ptr + t_base + k0 + BLOCK_K - 1)
+            w = cb * tl.exp(cs_m - cs_c0)[:, None] * (tl.exp(cs_c0 - cs_k) * dt_k)[None, :]
+        else:
+            decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+            w = cb * decay * dt_k[None, :]
+        w = w.to(OPERAND_DTYPE).to(DOT_DTYPE)
+        xk = tl.load(x_ptr + (start + k)[:, None] * stride_x_t + h * stride_x_h + p[None, :] * stride_x_p,
+                     mask=k_mask[:, None] & p_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+        acc += tl.dot(w, xk, input_precision=DOT_PRECISION)
+
+    out_mask = m_mask[:, None] & p_mask[None, :]
+    if HAS_D:
+        xm = tl.load(x_ptr + (start + m)[:, None] * stride_x_t + h * stride_x_h + p[None, :] * stride_x_p,
+                     mask=out_mask, other=0.0).to(tl.float32)
+        acc += xm * tl.load(D_ptr + h).to(tl.float32)
+    if HAS_Z:
+        zm = tl.load(z_ptr + (start + m)[:, None] * stride_z_t + h * stride_z_h + p[None, :] * stride_z_p,
+                     mask=out_mask, other=0.0).to(tl.float32)
+        acc = acc * zm * tl.sigmoid(zm)
+    tl.store(y_ptr + (start + m)[:, None] * stride_y_t + h * stride_y_h + p[None, :] * stride_y_p,
+             acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _block(cap: int, size: int) -> int:
+    """A power-of-two block no larger than cap nor than size rounded up, and at least 16
+    (the smallest tl.dot operand)."""
+    return max(16, min(cap, triton.next_power_of_2(size)))
+
+
+_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def mamba_chunk_scan_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+    metadata: dict | None = None,
+) -> torch.Tensor:
+    """The SSD chunked scan of a packed batch, reading and writing the SSM state pool.
+
+    x: (num_tokens, nheads, headdim); dt: (num_tokens, nheads); A: (nheads,) float32;
+    B, C: (num_tokens, ngroups, dstate); D, dt_bias: (nheads,) or None; z: like x or None;
+    ssm_states: (num_slots, nheads, headdim, dstate) float32/bfloat16/float16, read where
+    has_initial_state and overwritten with each sequence's final state; query_start_loc:
+    (batch + 1,) int32; state_indices: (batch,) int32, -1 = padding; has_initial_state:
+    (batch,) bool. All activations may have any strides (views into in_proj's output).
+    metadata: the per-step dict (chunk boundaries are cached in it); None computes them.
+    Returns y (num_tokens, nheads, headdim) in x.dtype. Float32 accumulation throughout; the
+    matrix products take bfloat16/float16 operands when x is in that dtype (float32 x: exact
+    float32 products). Semantics: `reference.mamba_chunk_scan`.
+    """
+    num_tokens, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[1], B.shape[2]
+    batch = state_indices.shape[0]
+    dev = x.device
+    if x.dtype not in _DOT_DTYPES:
+        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    chunks = ssd_chunks(query_start_loc, chunk_size, metadata)
+    nc = chunks.num_chunks
+    # Matrix-product operands are rounded to x's dtype (float32 x: exact float32 products).
+    # The Triton interpreter multiplies bfloat16 operands as raw integers, so on CPU tensors
+    # the rounded operands are multiplied in float32 instead: same numbers, same result.
+    operand_dtype = _DOT_DTYPES[x.dtype]
+    dot_dtype = operand_dtype if x.is_cuda else tl.float32
+    dot_precision = "ieee" if dot_dtype == tl.float32 else "tf32"
+    has_limit, lo, hi = dt_limit_args(dt_limit)
+    heads_per_group = nheads // ngroups
+    y = torch.empty((num_tokens, nheads, headdim), dtype=x.dtype, device=dev)
+    if batch == 0:
+        return y
+
+    dt_proc = torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev)  # dt'
+    cs = torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev)  # in-chunk cumsum of dt' A
+    chunk_dA = torch.empty((nc, nheads), dtype=torch.float32, device=dev)  # chunk total of dt' A
+    states_dtype = torch.float32 if CHUNK_STATES_FP32 else x.dtype
+    states = torch.empty((nc, nheads, headdim, dstate), dtype=states_dtype, device=dev)
+    state_in = torch.empty((nc, nheads, headdim, dstate), dtype=x.dtype, device=dev)
+    cb = torch.empty((nc, ngroups, chunk_size, chunk_size), dtype=torch.float32, device=dev)
+
+    if nc > 0:
+        cfg = CHUNK_STATE_CONFIG
+        bk, bp, bn = _block(cfg["block_k"], chunk_size), _block(cfg["block_p"], headdim), _block(cfg["block_n"], dstate)
+        grid = (nc, nheads, triton.cdiv(headdim, bp) * triton.cdiv(dstate, bn))
+        _chunk_state_kernel[grid](
+            x, dt, A, dt_bias if dt_bias is not None else A, B, chunks.chunk_start, chunks.chunk_end,
+            dt_proc, cs, chunk_dA, states,
+            num_tokens, nheads, headdim, dstate, heads_per_group, lo, hi,
+            *x.stride(), *dt.stride(), *B.stride(),
+            HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_DT_LIMIT=has_limit,
+            OPERAND_DTYPE=operand_dtype, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+            BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+        cfg = CB_CONFIG
+        bm, bk, bn = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size), _block(cfg["block_n"], dstate)
+        grid = (nc * ngroups, triton.cdiv(chunk_size, bm), triton.cdiv(chunk_size, bk))
+        _chunk_cb_kernel[grid](
+            C, B, chunks.chunk_start, chunks.chunk_end, cb,
+            ngroups, dstate, chunk_size, *C.stride(), *B.stride(),
+            OPERAND_DTYPE=operand_dtype, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+            BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+
+    cfg = PASSING_CONFIG
+    state_size = headdim * dstate
+    block = min(cfg["block"], triton.next_power_of_2(state_size))
+    grid = (batch, nheads, triton.cdiv(state_size, block))
+    _state_passing_kernel[grid](
+        states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
+        nheads, state_size, dstate, *ssm_states.stride(),
+        BLOCK=block, num_warps=cfg["num_warps"],
+    )
+
+    if nc > 0:
+        cfg = SCAN_CONFIG
+        bm, bk, bp = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size), _block(cfg["block_p"], headdim)
+        num_m_blocks = triton.cdiv(chunk_size, bm)
+        zz = z if z is not None else x
+        grid = (nc * num_m_blocks, nheads * triton.cdiv(headdim, bp))
+        _chunk_scan_kernel[grid](
+            x, zz, C, D if D is not None else A, cb, dt_proc, cs, state_in, y,
+            chunks.chunk_start, chunks.chunk_end,
+            num_tokens, nheads, headdim, dstate, ngroups, heads_per_group, chunk_size, num_m_blocks,
+            *x.stride(), *zz.stride(), *C.stride(), *y.stride(),
+            HAS_D=D is not None, HAS_Z=z is not None, OPERAND_DTYPE=operand_dtype, DOT_DTYPE=dot_dtype,
+            DOT_PRECISION=dot_precision,
+            BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return y

@@ -1,0 +1,149 @@
+"""Triton kernel for the Mamba2 decode step: one SSM recurrence step per sequence, in place.
+
+Each program owns a (block_p, dstate) tile of one head of one sequence's state: it reads the
+tile from the state pool, advances it by one token, writes it back and emits the matching
+(block_p,) slice of y. The state pool dominates the bytes (float32: 4 * nheads * headdim *
+dstate per sequence, read and written once), so the kernel is a streaming read-modify-write.
+A state index of -1 marks padding: y is computed from a zero state and no slot is touched.
+
+Math: `mambaserve.ops.reference.selective_state_update` (Mamba2 paper, section 3: h_t =
+exp(dt A) h_{t-1} + dt x_t B_t^T, y_t = h_t C_t + D x_t, times silu(z)). No host metadata and
+no host sync: safe inside CUDA graphs. This module knows nothing about models or the engine.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+# Fixed launch config (tuned offline with benchmarks/kernels.py; never autotuned: the kernel
+# writes live state in place).
+STATE_UPDATE_CONFIG = {"block_p": 16, "num_warps": 4}
+
+
+@triton.jit
+def _softplus(x):
+    # log(1 + exp(x)) like torch.nn.functional.softplus (threshold 20), accurate for x << 0
+    u = tl.exp(-tl.abs(x))
+    log1p_u = tl.where(u < 1e-4, u * (1.0 - 0.5 * u), tl.log(1.0 + u))
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p_u)
+
+
+@triton.jit
+def _process_dt(dt, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+                HAS_DT_LIMIT: tl.constexpr, dt_min, dt_max):
+    """dt' = clamp(softplus(dt + dt_bias), dt_limit), each step optional (float32 in/out)."""
+    if HAS_DT_BIAS:
+        dt = dt + dt_bias
+    if DT_SOFTPLUS:
+        dt = _softplus(dt)
+    if HAS_DT_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    return dt
+
+
+@triton.jit
+def _selective_state_update_kernel(
+    state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, state_idx_ptr,
+    nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
+    stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
+    stride_x_b, stride_x_h, stride_x_p,
+    stride_dt_b, stride_dt_h,
+    stride_B_b, stride_B_g, stride_B_n,
+    stride_C_b, stride_C_g, stride_C_n,
+    stride_z_b, stride_z_h, stride_z_p,
+    stride_y_b, stride_y_h, stride_y_p,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_DT_LIMIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    g = h // heads_per_group
+    slot = tl.load(state_idx_ptr + b).to(tl.int64)
+
+    p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    n = tl.arange(0, BLOCK_N)
+    p_mask = p < headdim
+    n_mask = n < dstate
+    tile_mask = p_mask[:, None] & n_mask[None, :]
+    s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + p[:, None] * stride_s_p + n[None, :] * stride_s_n
+    p_read = (slot >= 0).to(tl.int32) * headdim  # padding reads nothing (a zero state)
+    state = tl.load(s_ptrs, mask=(p < p_read)[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+
+    x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + p * stride_x_p, mask=p_mask, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
+    dt_bias = 0.0
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    dt = _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+    dA = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
+    Bv = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + n * stride_B_n, mask=n_mask, other=0.0).to(tl.float32)
+    Cv = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + n * stride_C_n, mask=n_mask, other=0.0).to(tl.float32)
+
+    state = state * dA + (x * dt)[:, None] * Bv[None, :]
+    y = tl.sum(state * Cv[None, :], axis=1)
+    if HAS_D:
+        y += x * tl.load(D_ptr + h).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + p * stride_z_p, mask=p_mask, other=0.0).to(tl.float32)
+        y = y * z * tl.sigmoid(z)
+    tl.store(y_ptr + b * stride_y_b + h * stride_y_h + p * stride_y_p, y.to(y_ptr.dtype.element_ty), mask=p_mask)
+    if slot >= 0:
+        tl.debug_barrier()  # every thread has read its part of the tile before any write
+        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
+
+
+def dt_limit_args(dt_limit: tuple[float, float]) -> tuple[bool, float, float]:
+    """(apply the clamp, lower, upper) as the reference does: only a non-default limit clamps."""
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    has = lo > 0.0 or hi != math.inf
+    return has, lo, (hi if hi != math.inf else 3.0e38)
+
+
+def selective_state_update_triton(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    dt_softplus: bool = True,
+    dt_limit: tuple[float, float] = (0.0, math.inf),
+) -> torch.Tensor:
+    """One decode step for a batch, in place on the state pool.
+
+    ssm_states: (num_slots, nheads, headdim, dstate), float32/bfloat16/float16, updated in
+    place (float32 arithmetic); x: (batch, nheads, headdim); dt: (batch, nheads); A: (nheads,);
+    B, C: (batch, ngroups, dstate); D, dt_bias: (nheads,) or None; z: like x or None;
+    state_indices: (batch,) int32, -1 = padding. Any strides. Returns y (batch, nheads,
+    headdim) in x.dtype. Semantics: `reference.selective_state_update`.
+    """
+    batch, nheads, headdim = x.shape
+    ngroups, dstate = B.shape[1], B.shape[2]
+    y = torch.empty((batch, nheads, headdim), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y
+    has_limit, lo, hi = dt_limit_args(dt_limit)
+    cfg = STATE_UPDATE_CONFIG
+    block_p = min(cfg["block_p"], max(16, triton.next_power_of_2(headdim)))
+    zz = z if z is not None else x
+    grid = (batch, nheads, triton.cdiv(headdim, block_p))
+    _selective_state_update_kernel[grid](
+        ssm_states, x, dt, A, B, C, D if D is not None else A, zz,
+        dt_bias if dt_bias is not None else A, y, state_indices,
+        nheads, headdim, dstate, nheads // ngroups, lo, hi,
+        *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *zz.stride(),
+        *y.stride(),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=bool(dt_softplus), HAS_DT_LIMIT=has_limit,
+        BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)), num_warps=cfg["num_warps"],
+    )
+    return y

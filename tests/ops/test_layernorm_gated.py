@@ -1,0 +1,47 @@
+"""Triton gated RMSNorm against the PyTorch reference."""
+
+import pytest
+import torch
+
+from mambaserve import ops
+from mambaserve.ops import layernorm_gated
+from mambaserve.ops import reference as ref
+from tests.conftest import rel_err, tolerance
+from tests.ops.kernel_helpers import DEVICES, gpu_only, poison_empty  # noqa: F401
+
+
+def _check(x, w, z, group_size, norm_before_gate):
+    with ops.backend("triton"):
+        out = ops.rms_norm_gated(x, w, z, 1e-5, group_size, norm_before_gate)
+    expected = ref.rms_norm_gated(x, w, z, 1e-5, group_size, norm_before_gate)
+    assert rel_err(out, expected) < tolerance(x.dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size,norm_before_gate", [(120, False), (40, True), (24, False)])
+def test_rms_norm_gated(device, dtype, group_size, norm_before_gate, poison_empty):
+    T, hidden = 13, 120  # 40 features per group: not a power of two
+    x = torch.randn(T, hidden, device=device).to(dtype)
+    z = torch.randn(T, hidden + 30, device=device).to(dtype)[:, 10:10 + hidden]  # a column slice
+    w = torch.randn(hidden, device=device).to(dtype)
+    _check(x, w, z, group_size, norm_before_gate)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_gated_no_gate_and_two_pass(device, poison_empty, monkeypatch):
+    x = torch.randn(5, 96, device=device)
+    w = torch.randn(96, device=device)
+    _check(x, w, None, 48, False)
+    monkeypatch.setattr(layernorm_gated, "MAX_BLOCK_N", 16)  # groups wider than a block: two passes
+    z = torch.randn(5, 96, device=device)
+    _check(x, w, z, 96, False)
+    _check(x, w, z, 48, True)
+
+
+@gpu_only
+def test_rms_norm_gated_long_prompt_gpu(poison_empty):
+    x = torch.randn(31500, 3072, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(31500, 6448, device="cuda", dtype=torch.bfloat16)[:, :3072]
+    w = torch.randn(3072, device="cuda", dtype=torch.bfloat16)
+    _check(x, w, z, 3072, False)

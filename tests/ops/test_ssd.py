@@ -1,0 +1,163 @@
+"""Triton SSD chunked scan against the PyTorch reference."""
+
+import math
+
+import pytest
+import torch
+
+from mambaserve import ops
+from mambaserve.ops import reference as ref
+from mambaserve.ops import ssd
+from tests.conftest import rel_err, tolerance
+from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, poison_empty, random_slots  # noqa: F401
+
+
+def _inputs(T, H, P, G, N, dtype, device):
+    """x, dt, B, C, z as views into in_proj/conv-shaped tensors (non-contiguous rows)."""
+    xbc = torch.randn(T, H * P + 2 * G * N + 5, device=device).to(dtype)
+    x = xbc[:, :H * P].view(T, H, P)
+    B = xbc[:, H * P:H * P + G * N].view(T, G, N)
+    C = xbc[:, H * P + G * N:H * P + 2 * G * N].view(T, G, N)
+    dt = torch.randn(T, H + 3, device=device).to(dtype)[:, 1:H + 1]
+    z = torch.randn(T, H, P, device=device).to(dtype)
+    return x, dt, B, C, z
+
+
+def _check(x, dt, A, B, C, Q, D, z, dt_bias, states, qsl, idx, has, dt_softplus=True,
+           dt_limit=(0.0, math.inf), metadata=None):
+    ours, expected_states = states.clone(), states.clone()
+    with ops.backend("triton"):
+        y = ops.mamba_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, ours, qsl, idx, has,
+                                 dt_softplus=dt_softplus, dt_limit=dt_limit, metadata=metadata)
+    expected = ref.mamba_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, expected_states, qsl, idx, has,
+                                    dt_softplus=dt_softplus, dt_limit=dt_limit)
+    assert rel_err(y, expected) < tolerance(x.dtype)
+    state_tol = max(tolerance(x.dtype), tolerance(states.dtype))
+    written = {int(i) for i in idx if i >= 0}
+    for slot in range(states.shape[0]):
+        if slot in written:
+            assert rel_err(ours[slot], expected_states[slot]) < state_tol, f"slot {slot}"
+        else:
+            assert torch.equal(ours[slot], states[slot]), f"untouched slot {slot} changed"
+    return y, ours
+
+
+def _poison_fresh_slots(states, idx, has):
+    """Slots of sequences without an initial state must be written and never read."""
+    for i in range(idx.shape[0]):
+        if idx[i] >= 0 and not has[i]:
+            states[idx[i]] = float("nan")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ngroups", [1, 3])
+def test_mamba_chunk_scan_mixed_batch(device, dtype, ngroups, poison_empty):
+    H, P, N, Q, num_slots = 3, 24, 16, 8, 16
+    # lengths 1, 2, 3, Q - 1, Q, Q + 1, several chunks, then one-token decodes
+    lens = [1, 2, 3, Q - 1, Q, Q + 1, 3 * Q + 5, 1, 1, 1]
+    has = torch.tensor([True, False, True, True, False, True, False, True, True, False], device=device)
+    qsl, T = packed(lens, device)
+    idx = random_slots(len(lens), num_slots, padding=[2, 8], device=device)
+    x, dt, B, C, z = _inputs(T, H, P, ngroups, N, dtype, device)
+    A = -torch.rand(H, device=device) * 2 - 0.1
+    D = torch.randn(H, device=device)
+    dt_bias = torch.randn(H, device=device)
+    states = torch.randn(num_slots, H, P, N, device=device)
+    _poison_fresh_slots(states, idx, has)
+    limit = (0.0, math.inf) if ngroups == 1 else (0.01, 3.0)
+    _check(x, dt, A, B, C, Q, D, z, dt_bias, states, qsl, idx, has, dt_limit=limit)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "dtype,pool_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)]
+)
+def test_mamba_chunk_scan_options(device, dtype, pool_dtype, poison_empty):
+    """Low-precision state pools; no D, z, dt_bias or softplus (first case) and a chunk size
+    that is not a power of two (second case)."""
+    H, P, N, G, num_slots = 4, 16, 32, 2, 6
+    plain = dtype == torch.bfloat16
+    Q = 16 if plain else 12
+    lens = [Q + 3, 2 * Q, 1, 5]
+    has = torch.tensor([True, True, True, False], device=device)
+    qsl, T = packed(lens, device)
+    idx = random_slots(len(lens), num_slots, padding=[], device=device)
+    x, dt, B, C, z = _inputs(T, H, P, G, N, dtype, device)
+    if plain:
+        dt = (torch.rand(T, H, device=device) * 0.5).to(dtype)  # used as dt' directly: keep it positive
+    A = -torch.rand(H, device=device) - 0.1
+    D = None if plain else torch.randn(H, device=device)
+    dt_bias = None if plain else torch.randn(H, device=device)
+    states = torch.randn(num_slots, H, P, N, device=device).to(pool_dtype)
+    _poison_fresh_slots(states, idx, has)
+    _check(x, dt, A, B, C, Q, D, None if plain else z, dt_bias, states, qsl, idx, has,
+           dt_softplus=not plain)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_chunk_scan_many_blocks_per_chunk(device, dtype, poison_empty, monkeypatch):
+    """Blocks smaller than the chunk (as at chunk 256 on the GPU): several row blocks per chunk
+    in every kernel, blocks wholly below the diagonal, dstate split in the C B^T kernel and
+    several state blocks per head in the state passing."""
+    monkeypatch.setattr(ssd, "CHUNK_STATE_CONFIG", dict(ssd.CHUNK_STATE_CONFIG, block_k=16, block_n=16))
+    monkeypatch.setattr(ssd, "CB_CONFIG", dict(ssd.CB_CONFIG, block_m=16, block_k=16, block_n=16))
+    monkeypatch.setattr(ssd, "SCAN_CONFIG", dict(ssd.SCAN_CONFIG, block_m=16, block_k=16, block_p=16))
+    monkeypatch.setattr(ssd, "PASSING_CONFIG", dict(ssd.PASSING_CONFIG, block=128))
+    H, P, N, G, Q, num_slots = 2, 24, 32, 2, 48, 5
+    lens = [2 * Q + 37, Q - 1, 1]
+    has = torch.tensor([True, False, True], device=device)
+    qsl, T = packed(lens, device)
+    idx = random_slots(len(lens), num_slots, padding=[], device=device)
+    x, dt, B, C, z = _inputs(T, H, P, G, N, dtype, device)
+    A = -torch.rand(H, device=device) - 0.1
+    states = torch.randn(num_slots, H, P, N, device=device)
+    _poison_fresh_slots(states, idx, has)
+    _check(x, dt, A, B, C, Q, torch.randn(H, device=device), z, torch.randn(H, device=device),
+           states, qsl, idx, has)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mamba_chunk_scan_split_prompt_continues(device):
+    """A prompt scanned in two calls (the second from the state the first wrote) gives the
+    output of one call, and the metadata dict is filled once per query_start_loc."""
+    H, P, N, Q, L1, L2 = 2, 16, 16, 8, 11, 14
+    x, dt, B, C, z = _inputs(L1 + L2, H, P, 1, N, torch.float32, device)
+    A = -torch.rand(H, device=device) - 0.1
+    states = torch.zeros(2, H, P, N, device=device)
+    idx = torch.tensor([1], dtype=torch.int32, device=device)
+    no, yes = (torch.tensor([v], device=device) for v in (False, True))
+    whole, _ = packed([L1 + L2], device)
+    first, _ = packed([L1], device)
+    second, _ = packed([L2], device)
+    metadata = {}
+    with ops.backend("triton"):
+        y = ops.mamba_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no,
+                                 metadata=metadata)
+        assert ("ssd_chunks", Q) in metadata
+        s = states.clone()
+        y1 = ops.mamba_chunk_scan(x[:L1], dt[:L1], A, B[:L1], C[:L1], Q, None, z[:L1], None, s, first, idx, no)
+        y2 = ops.mamba_chunk_scan(x[L1:], dt[L1:], A, B[L1:], C[L1:], Q, None, z[L1:], None, s, second, idx, yes)
+    assert rel_err(torch.cat([y1, y2]), y) < tolerance(torch.float32)
+
+
+# --- sizes too large for the interpreter -------------------------------------------------
+
+
+@gpu_only
+def test_mamba_chunk_scan_long_prompt_gpu(poison_empty):
+    """A 31,500-token prompt (chunk 256, dstate 128, headdim 64) and three decodes with
+    initial states, bfloat16 activations and a float32 state pool."""
+    H, P, N, G, Q, num_slots = 8, 64, 128, 1, 256, 8
+    lens = [31500, 1, 1, 1]
+    has = torch.tensor([False, True, True, True], device="cuda")
+    qsl, T = packed(lens, "cuda")
+    idx = random_slots(len(lens), num_slots, padding=[2], device="cuda")
+    x, dt, B, C, z = _inputs(T, H, P, G, N, torch.bfloat16, "cuda")
+    A = -torch.rand(H, device="cuda") * 4 - 0.5
+    D = torch.randn(H, device="cuda")
+    dt_bias = torch.randn(H, device="cuda") - 2.0
+    states = torch.randn(num_slots, H, P, N, device="cuda")
+    _poison_fresh_slots(states, idx, has)
+    _check(x, dt, A, B, C, Q, D, z, dt_bias, states, qsl, idx, has)
