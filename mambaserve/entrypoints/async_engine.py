@@ -1,0 +1,307 @@
+"""The engine behind the server: one background thread owns the `LLMEngine` and is the only
+code that calls it; asyncio handlers talk to it through a thread-safe command queue and get
+outputs back through per-request asyncio queues.
+
+    handler --submit--> command queue --> loop thread: add_request / abort_request / step()
+    handler <--(index, RequestOutput)-- RequestStream queue <--call_soon_threadsafe--
+
+One HTTP request may carry several prompts: they become one engine request each, admitted
+together (all or none) and streamed through one `RequestStream`. Engine errors never end the
+loop: a rejected request gets its error (400 for bad input, 503 for a full queue), and a step
+that raises fails the requests in flight, which are aborted so that their slots and blocks are
+freed, and the loop goes on. The loop knows nothing about HTTP or OpenAI formats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from mambaserve.engine.llm_engine import LLMEngine
+from mambaserve.entrypoints.metrics import ServerMetrics
+from mambaserve.outputs import RequestOutput
+from mambaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("mambaserve.server")
+
+
+class EngineError(Exception):
+    """A request the engine rejected or could not finish. `status` is the HTTP status to
+    answer with: 400 invalid input, 503 queue full or shutting down, 500 engine failure."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class EngineInput:
+    """One prompt of a submission: its token ids and sampling parameters."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class RequestStream:
+    """The outputs of one submission, in engine order, as an async iterator of
+    (prompt index, RequestOutput) pairs; it ends when every prompt's request has finished and
+    raises `EngineError` if the engine fails them. `abort()` (idempotent, from the event loop)
+    aborts whatever has not finished."""
+
+    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+        self._engine = engine
+        self.request_ids = request_ids
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = set(range(len(request_ids)))
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def _put(self, item) -> None:  # runs on the event loop
+        self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._unfinished or self._closed:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, EngineError):
+            self._closed = True
+            raise item
+        index, out = item
+        if out.finished:
+            self._unfinished.discard(index)
+        return index, out
+
+    def abort(self) -> None:
+        """Abort the prompts' requests that have not finished (frees their slots and blocks)."""
+        if self._unfinished and not self._closed:
+            self._closed = True
+            self._engine._command(("abort", self))
+
+
+class AsyncEngine:
+    """Runs an `LLMEngine` in one background thread for asyncio code.
+
+    Constant facts about the engine (max_model_len, vocab size, model path) are copied here
+    at construction so that handlers need not touch the engine itself. `start(loop)` starts the
+    thread; `submit` admits prompts; `abort_all` ends every request in flight with an error;
+    `stop` aborts and joins the thread.
+    """
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.runner.vocab_size
+        self.model_path = engine.config.model
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._lock = threading.Lock()
+        # loop thread only: engine request id -> (stream, prompt index, per-request timing)
+        self._live: dict[str, tuple[RequestStream, int, _Timing]] = {}
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the loop thread; outputs are delivered on `loop` (default: the running loop)."""
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="mambaserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive and accepting requests."""
+        return self._accepting and self._thread is not None and self._thread.is_alive()
+
+    async def submit(self, base_id: str, inputs: list[EngineInput], arrival_time: float | None = None) -> RequestStream:
+        """Admit one engine request per input (all or none) and return their stream.
+
+        Raises EngineError: 400 for input the engine rejects, 503 when its queue is full or
+        the server is shutting down. If the caller is cancelled while waiting, the requests
+        are aborted."""
+        ids = [base_id if len(inputs) == 1 else f"{base_id}-{i}" for i in range(len(inputs))]
+        stream = RequestStream(self, ids)
+        with self._lock:  # no "add" may follow the "stop" in the queue: it would wait forever
+            if not self.is_running:
+                raise EngineError("the server is shutting down", 503)
+            self._command(("add", stream, inputs, time.time() if arrival_time is None else arrival_time))
+        try:
+            ack = await stream._queue.get()
+        except asyncio.CancelledError:
+            stream.abort()
+            raise
+        if isinstance(ack, EngineError):
+            stream._closed = True
+            raise ack
+        return stream
+
+    def abort_all(self, reason: str = "the server is shutting down") -> None:
+        """Stop accepting requests and end every request in flight with an EngineError(503)."""
+        with self._lock:
+            self._accepting = False
+            self._command(("abort_all", reason))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is in flight, stop the loop thread and wait for it (idempotent)."""
+        with self._lock:
+            self._accepting = False
+            if self._thread is None:
+                return
+            self._command(("stop", "the server is shutting down"))
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("the engine loop did not stop within %.0f s", timeout)
+
+    def _command(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+
+    # ------------------------------------------------------------------ loop thread
+    def _deliver(self, stream: RequestStream, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(stream._put, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        if self.metrics is not None:
+            self.metrics.update_engine(engine)
+        stopping = False
+        while not stopping:
+            try:
+                # Block for a command only when there is nothing to step.
+                cmds = [self._commands.get()] if not engine.has_unfinished_requests() else []
+                while True:
+                    try:
+                        cmds.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in cmds:
+                    if cmd[0] == "stop":
+                        stopping = True
+                        self._fail_all(EngineError(cmd[1], 503))
+                    else:
+                        self._handle(cmd)
+                if engine.has_unfinished_requests() and not stopping:
+                    self._step()
+                if self.metrics is not None:
+                    self.metrics.update_engine(engine)
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                logger.exception("engine loop error; failing the requests in flight")
+                self._fail_all(EngineError("internal engine error", 500))
+
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, stream, inputs, arrival = cmd
+            self._add(stream, inputs, arrival)
+        elif kind == "abort":
+            for rid in cmd[1].request_ids:
+                if self._live.pop(rid, None) is not None:
+                    self.engine.abort_request(rid)
+                    if self.metrics is not None:
+                        self.metrics.aborted.inc()
+        elif kind == "abort_all":
+            self._fail_all(EngineError(cmd[1], 503))
+
+    def _add(self, stream: RequestStream, inputs: list[EngineInput], arrival: float) -> None:
+        if not self._accepting:
+            self._deliver(stream, EngineError("the server is shutting down", 503))
+            return
+        added = []
+        try:
+            for rid, inp in zip(stream.request_ids, inputs):
+                self.engine.add_request(rid, {"prompt_token_ids": inp.prompt_token_ids}, inp.params, arrival)
+                added.append(rid)
+        except Exception as e:  # noqa: BLE001 - every rejection goes back to its request
+            for rid in added:
+                self.engine.abort_request(rid)
+            if isinstance(e, ValueError):
+                err = EngineError(str(e), 400)
+            elif isinstance(e, RuntimeError) and "queue is full" in str(e):
+                err = EngineError(f"{e}; retry later", 503)
+            else:
+                logger.exception("add_request failed")
+                err = EngineError("internal engine error", 500)
+            self._deliver(stream, err)
+            return
+        for i, rid in enumerate(added):
+            self._live[rid] = (stream, i, _Timing(arrival))
+        self._deliver(stream, True)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:  # noqa: BLE001
+            # The failing request is unknown: fail (and so free) everything in flight.
+            logger.exception("engine step failed; aborting the requests in flight")
+            self._fail_all(EngineError("internal engine error", 500))
+            return
+        now = time.time()
+        for out in outputs:
+            entry = self._live.get(out.request_id)
+            if entry is None:
+                continue
+            stream, index, timing = entry
+            self._observe(timing, out, now)
+            if out.finished:
+                del self._live[out.request_id]
+            self._deliver(stream, (index, _snapshot(out)))
+
+    def _observe(self, timing: "_Timing", out: RequestOutput, now: float) -> None:
+        if self.metrics is None:
+            return
+        num = sum(len(c.token_ids) for c in out.outputs)
+        if num > timing.num_tokens:
+            if timing.num_tokens == 0:
+                self.metrics.observe_first_token(now - timing.arrival)
+            else:
+                per_seq = max(1, (num - timing.num_tokens) // max(1, len(out.outputs)))
+                self.metrics.observe_token_gap(now - timing.last, per_seq)
+            timing.num_tokens, timing.last = num, now
+        if out.finished:
+            self.metrics.observe_finished(now - timing.arrival, [c.finish_reason for c in out.outputs])
+
+    def _fail_all(self, err: EngineError) -> None:
+        """Abort every request in flight and send `err` to its stream (once per stream)."""
+        told = set()
+        for rid, (stream, _, _) in list(self._live.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:  # noqa: BLE001
+                logger.exception("abort_request(%r) failed", rid)
+            if self.metrics is not None:
+                self.metrics.aborted.inc()
+            if id(stream) not in told:
+                told.add(id(stream))
+                self._deliver(stream, err)
+        self._live.clear()
+
+
+@dataclass
+class _Timing:
+    arrival: float
+    last: float = 0.0
+    num_tokens: int = 0
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """A copy the event loop may read while the engine goes on appending to its lists."""
+    outputs = [dataclasses.replace(c, logprobs=list(c.logprobs) if c.logprobs is not None else None)
+               for c in out.outputs]
+    prompt_lps = list(out.prompt_logprobs) if out.prompt_logprobs is not None else None
+    return dataclasses.replace(out, outputs=outputs, prompt_logprobs=prompt_lps)

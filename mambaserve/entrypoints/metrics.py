@@ -1,0 +1,114 @@
+"""Prometheus metrics of a served engine, in a registry of their own (so that two servers in
+one process, as in the tests, do not collide).
+
+The engine loop thread is the only writer: it calls `observe_output` for every output it
+delivers and `update_engine` after every iteration, which copies the engine's queue and cache
+counts into gauges. The HTTP side only renders them (`render`). Prometheus' client is
+thread-safe, so nothing here takes a lock of its own.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_THROUGHPUT_WINDOW_S = 10.0
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The server's metrics. `model_name` labels every series, as vLLM's do."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(f"mambaserve:{name}", doc, labels, registry=r).labels(model_name)
+
+        self.running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.slots_used = gauge("state_slots_used", "Conv/SSM state slots held by sequences.")
+        self.slots_total = gauge("state_slots_total", "Conv/SSM state slots in the pool.")
+        self.blocks_used = gauge("kv_blocks_used", "Paged KV-cache blocks held by sequences.")
+        self.blocks_total = gauge("kv_blocks_total", "Paged KV-cache blocks in the pool.")
+        self.throughput = gauge("avg_generation_throughput_toks_per_s",
+                                f"Generated tokens per second over the last {_THROUGHPUT_WINDOW_S:.0f} s.")
+        self.prompt_tokens = Counter("mambaserve:prompt_tokens", "Prompt tokens prefilled (recomputes included).",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("mambaserve:generation_tokens", "Tokens generated.", labels,
+                                         registry=r).labels(model_name)
+        self.preemptions = Counter("mambaserve:num_preemptions", "Sequences preempted by recompute.", labels,
+                                   registry=r).labels(model_name)
+        self.aborted = Counter("mambaserve:request_aborted", "Requests aborted (client gone, shutdown, error).",
+                               labels, registry=r).labels(model_name)
+        self._finished = Counter("mambaserve:request_success", "Finished requests by finish reason.",
+                                 labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+        self.ttft = Histogram("mambaserve:time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.", labels, buckets=_TTFT_BUCKETS,
+                              registry=r).labels(model_name)
+        self.tpot = Histogram("mambaserve:time_per_output_token_seconds",
+                              "Time between successive generated tokens of a request.", labels,
+                              buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("mambaserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             labels, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self._last_stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
+        self._window: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens so far)
+        self.throughput.set_function(self._throughput)
+
+    def update_engine(self, engine) -> None:
+        """Copy the engine's counts into the gauges and counters. Call from the loop thread."""
+        sched = engine.scheduler
+        self.running.set(sched.num_running)
+        self.waiting.set(sched.num_waiting)
+        self.slots_used.set(engine.slot_pool.num_used)
+        self.slots_total.set(engine.slot_pool.num_slots)
+        pool = engine.block_pool
+        self.blocks_used.set(pool.num_used if pool is not None else 0)
+        self.blocks_total.set(pool.num_blocks if pool is not None else 0)
+        stats = engine.stats
+        for name, counter in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
+                              ("preemptions", self.preemptions)):
+            delta = stats[name] - self._last_stats[name]
+            if delta > 0:
+                counter.inc(delta)
+            self._last_stats[name] = stats[name]
+        now = time.monotonic()
+        self._window.append((now, stats["generation_tokens"]))
+        while len(self._window) > 2 and now - self._window[1][0] > _THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+
+    def _throughput(self) -> float:
+        # Evaluated at scrape time, so that it decays to 0 while the engine idles.
+        if not self._window:
+            return 0.0
+        (t0, n0), (_, n1) = self._window[0], self._window[-1]
+        now = time.monotonic()
+        return (n1 - n0) / (now - t0) if now > t0 else 0.0
+
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_token_gap(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` tokens of one sequence arrived `seconds` after its previous ones."""
+        per_token = seconds / max(num_tokens, 1)
+        for _ in range(max(num_tokens, 1)):
+            self.tpot.observe(per_token)
+
+    def observe_finished(self, seconds: float, finish_reasons: list[str | None]) -> None:
+        self.e2e.observe(seconds)
+        for reason in finish_reasons:
+            self._finished.labels(self._model_name, reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

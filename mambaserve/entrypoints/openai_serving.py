@@ -1,0 +1,431 @@
+"""OpenAI completions and chat completions over the `AsyncEngine`: from a parsed request to
+engine inputs (tokenising, checking lengths and parameters before anything is queued), and
+from engine outputs to OpenAI responses or server-sent-event chunks.
+
+Streaming and non-streaming share one rule for text: a completion's text is sent as it grows,
+except that while stop strings are set the last `len(longest stop) - 1` characters are held
+back (the engine cuts the text at a stop string once it is complete, and a cut must never
+remove text already sent). So the streamed deltas always add up to the non-streamed text.
+
+This module knows the HTTP request models but not FastAPI: errors are raised as `ApiError`
+and the server turns them into responses.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import time
+import uuid
+from typing import AsyncIterator
+
+from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput, RequestStream
+from mambaserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                             ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
+                                             ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
+                                             CompletionLogProbs, CompletionRequest, CompletionResponse,
+                                             DeltaMessage, ErrorInfo, ErrorResponse, TopLogprob, UsageInfo,
+                                             SamplingRequest)
+from mambaserve.outputs import CompletionOutput, RequestOutput
+from mambaserve.sampling_params import Logprob, SamplingParams
+
+# Sequences (prompts x n) one HTTP request may start.
+MAX_SEQUENCES_PER_REQUEST = 1024
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 503: "server_unavailable_error"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's {"error": {message, type, param, code}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+@dataclasses.dataclass
+class _Job:
+    """A validated request, ready for the engine."""
+
+    request_id: str
+    created: int
+    prompts: list[tuple[str | None, list[int]]]  # (text or None, token ids)
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    drop_output: bool = False  # max_tokens=0: one token is generated and not returned
+    num_top: int | None = None  # logprobs asked for (None: none)
+    arrival: float = 0.0  # time.time() when the request arrived
+
+    @property
+    def holdback(self) -> int:
+        p = self.params
+        return 0 if not p.stop or p.include_stop_str_in_output else max(len(s) for s in p.stop) - 1
+
+
+@dataclasses.dataclass
+class _ChoiceState:
+    """What a streamed choice has sent so far."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    started: bool = False
+    done: bool = False
+    offset: int = 0  # text_offset of the next token (completions logprobs)
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+_DONE = "data: [DONE]\n\n"
+
+
+def _finite(x: float) -> float:
+    # JSON has no infinities: OpenAI-style servers send a large negative number instead.
+    return x if math.isfinite(x) else -9999.0
+
+
+class OpenAIServing:
+    """Completions and chat completions for one served model."""
+
+    def __init__(self, engine: AsyncEngine, served_model_name: str):
+        self.engine = engine
+        self.model_name = served_model_name
+        tok = engine.engine.tokenizer
+        # A private copy: the engine thread decodes with its own while the event loop encodes.
+        self.tokenizer = copy.deepcopy(tok) if tok is not None else None
+
+    # ------------------------------------------------------------------ validation
+    def check_model(self, name: str | None) -> None:
+        """404 unless `name` is the served model's name (None means the served model)."""
+        if name is not None and name != self.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init): "
+                                "send token ids", param="prompt")
+        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
+        limit = self.engine.max_model_len
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param=param)
+        if any(t < 0 or t >= self.engine.vocab_size for t in ids):
+            raise ApiError(400, f"prompt token ids must be in [0, {self.engine.vocab_size})", param=param)
+        asked = len(ids) + (max_tokens or 1)
+        if asked > limit:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{asked} tokens ({len(ids)} in the prompt, {max_tokens or 1} in the completion). "
+                                "Please reduce the length of the prompt or completion.",
+                           param=param, code="context_length_exceeded")
+
+    @staticmethod
+    def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        if req.logit_bias:
+            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output,
+            )
+        except ValueError as e:
+            m = re.search(r"SamplingParams\.(\w+)", str(e))
+            raise ApiError(400, str(e).replace("SamplingParams.", ""), param=m.group(1) if m else None) from None
+
+    def prepare_completion(self, req: CompletionRequest) -> _Job:
+        """Validate a completion request and tokenize its prompts. Raises ApiError."""
+        arrival = time.time()
+        self.check_model(req.model)
+        if req.suffix:
+            raise ApiError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError(400, "best_of is not supported (only best_of == n)", param="best_of")
+        p = req.prompt
+        if isinstance(p, str):
+            items = [p]
+        elif not p:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        if len(items) * req.n > MAX_SEQUENCES_PER_REQUEST:
+            raise ApiError(400, f"at most {MAX_SEQUENCES_PER_REQUEST} sequences (prompts x n) per request",
+                           param="prompt")
+        drop = req.max_tokens == 0
+        max_tokens = 1 if drop else req.max_tokens
+        prompts = []
+        for item in items:
+            ids = self._tokenize(item) if isinstance(item, str) else list(item)
+            self._check_prompt(ids, max_tokens, "prompt")
+            prompts.append((item if isinstance(item, str) else None, ids))
+        params = self._sampling_params(req, max_tokens, req.logprobs,
+                                       req.logprobs if req.echo and req.logprobs is not None else None)
+        return _Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, req.stream,
+                    bool(req.stream_options and req.stream_options.include_usage), echo=req.echo,
+                    drop_output=drop, num_top=req.logprobs, arrival=arrival)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> _Job:
+        """Validate a chat request and render its messages with the chat template. Raises ApiError."""
+        arrival = time.time()
+        self.check_model(req.model)
+        if self.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init)")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if req.n > MAX_SEQUENCES_PER_REQUEST:
+            raise ApiError(400, f"n must be <= {MAX_SEQUENCES_PER_REQUEST}", param="n")
+        messages = []
+        for m in req.messages:
+            msg = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                if any(part.type != "text" for part in m.content):
+                    raise ApiError(400, "only text content parts are supported", param="messages")
+                msg["content"] = "".join(part.text or "" for part in m.content)
+            messages.append(msg)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        try:
+            add_prompt = req.add_generation_prompt and not req.continue_final_message
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_prompt,
+                                                      **kwargs)
+        except Exception as e:  # noqa: BLE001 - jinja and transformers raise many kinds for bad input
+            raise ApiError(400, f"could not apply the chat template: {e}", param="messages") from None
+        ids = self._tokenize(text, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        self._check_prompt(ids, max_tokens, "messages")
+        num_top = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._sampling_params(req, max_tokens, num_top)
+        return _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [(text, ids)], params, req.stream,
+                    bool(req.stream_options and req.stream_options.include_usage), num_top=num_top,
+                    arrival=arrival)
+
+    async def submit(self, job: _Job) -> RequestStream:
+        """Queue a job's prompts in the engine. Raises ApiError (400, 503) if it refuses them."""
+        try:
+            return await self.engine.submit(job.request_id, [EngineInput(ids, job.params) for _, ids in job.prompts],
+                                            job.arrival)
+        except EngineError as e:
+            raise ApiError(e.status, str(e)) from None
+
+    # ------------------------------------------------------------------ tokens and logprobs
+    def _token_str(self, token: int, lp: Logprob | None = None) -> str:
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token])
+
+    def _completion_logprobs(self, token_ids: list[int], lps: list, offset: int, prompt: bool = False
+                             ) -> tuple[CompletionLogProbs, int]:
+        """OpenAI completions logprobs for tokens starting at text offset `offset`; also returns
+        the offset after them. Prompt entries are decoded here (the engine labels them with
+        raw vocabulary pieces)."""
+        def label(t: int, lp: Logprob | None) -> str:
+            return self._token_str(t, None if prompt else lp)
+
+        out = CompletionLogProbs()
+        for tok, d in zip(token_ids, lps):
+            s = label(tok, d.get(tok) if d else None)
+            out.tokens.append(s)
+            out.text_offset.append(offset)
+            offset += len(s)
+            if not d:
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
+            out.token_logprobs.append(_finite(d[tok].logprob) if tok in d else None)
+            out.top_logprobs.append({label(t, lp): _finite(lp.logprob) for t, lp in d.items()})
+        return out, offset
+
+    def _chat_logprobs(self, token_ids: list[int], lps: list, num_top: int) -> ChatLogProbs:
+        content = []
+        for tok, d in zip(token_ids, lps):
+            chosen = d.get(tok) if d else None
+            s = self._token_str(tok, chosen)
+            top = sorted(((t, lp) for t, lp in (d or {}).items() if lp.rank is not None and lp.rank <= num_top),
+                         key=lambda item: item[1].rank)
+            content.append(ChatTokenLogprob(
+                token=s, logprob=_finite(chosen.logprob) if chosen else -9999.0, bytes=list(s.encode()),
+                top_logprobs=[TopLogprob(token=(ts := self._token_str(t, lp)), logprob=_finite(lp.logprob),
+                                         bytes=list(ts.encode())) for t, lp in top]))
+        return ChatLogProbs(content=content)
+
+    def _usage(self, job: _Job, finals: dict[int, RequestOutput]) -> UsageInfo:
+        prompt = sum(len(ids) for _, ids in job.prompts)
+        completion = 0 if job.drop_output else sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+    def _prompt_text(self, job: _Job, index: int) -> str:
+        text, ids = job.prompts[index]
+        if text is not None:
+            return text
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    @staticmethod
+    async def _collect(stream: RequestStream) -> dict[int, RequestOutput]:
+        finals: dict[int, RequestOutput] = {}
+        async for index, out in stream:
+            if out.finished:
+                finals[index] = out
+        return finals
+
+    # ------------------------------------------------------------------ completions
+    def _completion_choice(self, job: _Job, index: int, out: RequestOutput, c: CompletionOutput) -> CompletionChoice:
+        text, lps, offset = "", None, 0
+        if job.echo:
+            text = self._prompt_text(job, index)
+            if job.num_top is not None:
+                prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                lps, offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0, prompt=True)
+        if not job.drop_output:
+            text += c.text
+            if job.num_top is not None:
+                more, _ = self._completion_logprobs(c.token_ids, c.logprobs or [], offset)
+                lps = more if lps is None else CompletionLogProbs(
+                    **{k: getattr(lps, k) + getattr(more, k) for k in CompletionLogProbs.model_fields})
+        return CompletionChoice(index=index * job.params.n + c.index, text=text, logprobs=lps,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    async def completion_response(self, job: _Job, stream: RequestStream) -> CompletionResponse:
+        """The whole completion response, once every prompt's request has finished."""
+        try:
+            finals = await self._collect(stream)
+        except EngineError as e:
+            raise ApiError(e.status, str(e)) from None
+        choices = [self._completion_choice(job, i, finals[i], c) for i in sorted(finals) for c in finals[i].outputs]
+        return CompletionResponse(id=job.request_id, created=job.created, model=self.model_name, choices=choices,
+                                  usage=self._usage(job, finals))
+
+    def _completion_delta(self, job: _Job, index: int, out: RequestOutput, c: CompletionOutput,
+                          st: _ChoiceState) -> CompletionChoice | None:
+        finished = c.finish_reason is not None
+        if st.done or (len(c.token_ids) <= st.tokens_sent and not finished):
+            return None  # nothing new (e.g. a prefill chunk)
+        text, lps = "", None
+        if job.echo and not st.started:
+            text = self._prompt_text(job, index)
+            if job.num_top is not None:
+                prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+                lps, st.offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0, prompt=True)
+        st.started = True
+        if not job.drop_output:
+            end = len(c.text) if finished else max(st.text_sent, len(c.text) - job.holdback)
+            text += c.text[st.text_sent:end]
+            st.text_sent = max(st.text_sent, end)
+            if job.num_top is not None:
+                new_ids, new_lps = c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:]
+                more, st.offset = self._completion_logprobs(new_ids, new_lps, st.offset)
+                lps = more if lps is None else CompletionLogProbs(
+                    **{k: getattr(lps, k) + getattr(more, k) for k in CompletionLogProbs.model_fields})
+        new_tokens = len(c.token_ids) > st.tokens_sent
+        st.tokens_sent = len(c.token_ids)
+        st.done = finished
+        if not text and not finished and not (lps is not None and new_tokens):
+            return None
+        return CompletionChoice(index=index * job.params.n + c.index, text=text, logprobs=lps,
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+
+    async def completion_events(self, job: _Job, stream: RequestStream) -> AsyncIterator[str]:
+        """Server-sent events of a streamed completion, ending with `data: [DONE]`."""
+        states: dict[int, _ChoiceState] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for index, out in stream:
+                if out.finished:
+                    finals[index] = out
+                choices = []
+                for c in out.outputs:
+                    st = states.setdefault(index * job.params.n + c.index, _ChoiceState())
+                    choice = self._completion_delta(job, index, out, c, st)
+                    if choice is not None:
+                        choices.append(choice)
+                if choices:
+                    yield _sse(CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
+                                                  choices=choices))
+            if job.include_usage:
+                yield _sse(CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
+                                              choices=[], usage=self._usage(job, finals)))
+        except EngineError as e:
+            yield f"data: {ApiError(e.status, str(e)).body().model_dump_json()}\n\n"
+        finally:
+            stream.abort()
+        yield _DONE
+
+    # ------------------------------------------------------------------ chat completions
+    async def chat_response(self, job: _Job, stream: RequestStream) -> ChatCompletionResponse:
+        """The whole chat completion response, once the request has finished."""
+        try:
+            finals = await self._collect(stream)
+        except EngineError as e:
+            raise ApiError(e.status, str(e)) from None
+        choices = []
+        for c in finals[0].outputs:
+            lps = self._chat_logprobs(c.token_ids, c.logprobs or [], job.num_top) if job.num_top is not None else None
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lps,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=job.request_id, created=job.created, model=self.model_name, choices=choices,
+                                      usage=self._usage(job, finals))
+
+    async def chat_events(self, job: _Job, stream: RequestStream) -> AsyncIterator[str]:
+        """Server-sent events of a streamed chat completion: a role chunk per choice, content
+        deltas, a chunk with the finish reason, the usage chunk if asked, `data: [DONE]`."""
+        def chunk(choices, usage=None):
+            return _sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
+                                            choices=choices, usage=usage))
+
+        states = [_ChoiceState() for _ in range(job.params.n)]
+        finals: dict[int, RequestOutput] = {}
+        try:
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                         for i in range(job.params.n)])
+            async for index, out in stream:
+                if out.finished:
+                    finals[index] = out
+                choices = []
+                for c in out.outputs:
+                    st = states[c.index]
+                    finished = c.finish_reason is not None
+                    if st.done or (len(c.token_ids) <= st.tokens_sent and not finished):
+                        continue
+                    end = len(c.text) if finished else max(st.text_sent, len(c.text) - job.holdback)
+                    text = c.text[st.text_sent:end]
+                    st.text_sent = max(st.text_sent, end)
+                    lps = None
+                    if job.num_top is not None and len(c.token_ids) > st.tokens_sent:
+                        lps = self._chat_logprobs(c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:],
+                                                  job.num_top)
+                    st.tokens_sent, st.done = len(c.token_ids), finished
+                    if text or finished or lps is not None:
+                        choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lps,
+                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                if choices:
+                    yield chunk(choices)
+            if job.include_usage:
+                yield chunk([], self._usage(job, finals))
+        except EngineError as e:
+            yield f"data: {ApiError(e.status, str(e)).body().model_dump_json()}\n\n"
+        finally:
+            stream.abort()
+        yield _DONE
+

@@ -1,0 +1,327 @@
+"""`mambaserve serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics (Prometheus). Streaming is server-sent events ending with `data: [DONE]`.
+
+Every error is OpenAI's {"error": {"message", "type", "param", "code"}}: 400 for invalid
+parameters, malformed JSON or a prompt over the context length (checked before queueing),
+401 for a missing or wrong API key on /v1 when --api-key is set, 404 for an unknown model,
+413 for a body over --max-request-body-bytes, 503 when the engine queue is full
+(--max-queue-len) or the server is shutting down. A client that disconnects aborts its
+request. On SIGINT/SIGTERM the requests in flight are aborted (streams get an error event),
+then the engine loop stops.
+
+This module wires HTTP to `OpenAIServing` (formats) and `AsyncEngine` (the engine thread); it
+knows neither sampling nor the engine's internals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import socket
+from typing import Awaitable, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
+from mambaserve.entrypoints.async_engine import AsyncEngine
+from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
+from mambaserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+
+logger = logging.getLogger("mambaserve.server")
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+# ---------------------------------------------------------------------------- HTTP plumbing
+def _json(status: int, body: str, headers: dict | None = None) -> Response:
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(err: ApiError) -> Response:
+    """The JSON response of an ApiError."""
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return _json(err.status, err.body().model_dump_json(), headers)
+
+
+class _Guard:
+    """ASGI middleware run before routing and body parsing: the API key of /v1 paths (401),
+    then the request body size (413; the body is read here, up to the limit, and replayed)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"].startswith("/v1"):
+            auth = headers.get("authorization", "")
+            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                err = ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY').",
+                               code="invalid_api_key")
+                return await error_response(err)(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await error_response(ApiError(400, "invalid Content-Length"))(scope, receive, send)
+            if int(length) > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return None  # the client left before sending its body
+            body = msg.get("body", b"")
+            size += len(body)
+            if size > self.max_body_bytes:
+                return await self._too_large(scope, receive, send)
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send):
+        err = ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes",
+                       code="request_too_large")
+        return await error_response(err)(scope, receive, send)
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects (whatever ASGI version
+    the server speaks): `on_close` runs then, or when the stream ends, and aborts the request."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close: Callable[[], None]):
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        sending = asyncio.ensure_future(self.stream_response(send))
+        watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._on_close()
+            for task in (sending, watching):
+                task.cancel()
+            await asyncio.gather(sending, watching, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if sending.done() and not sending.cancelled() and sending.exception() is not None:
+            exc = sending.exception()
+            if not isinstance(exc, OSError):  # OSError: the client went away mid-send
+                logger.error("stream failed", exc_info=exc)
+
+
+async def _wait_disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable, on_disconnect: Callable[[], None]) -> Response:
+    """Await `work` (a pydantic model) unless the client disconnects first; then call
+    `on_disconnect` (which aborts the request) and answer nobody."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    done = False
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done = task.done()
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            on_disconnect()
+    if not done:
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    return _json(200, task.result().model_dump_json())
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    param = ".".join(loc) or None
+    msgs = []
+    for e in errors[:5]:
+        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+        msgs.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+    return "; ".join(msgs), param
+
+
+# ---------------------------------------------------------------------------- the app
+def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app over `engine`. Its lifespan starts the engine thread and stops it."""
+    serving = OpenAIServing(engine, served_model_name)
+    metrics = engine.metrics
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="mambaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.state.serving = serving
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return error_response(ApiError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(ApiError(500, "internal server error"))
+
+    @app.get("/health")
+    async def health():
+        """200 while the engine loop runs, 503 otherwise."""
+        if not engine.is_running:
+            return error_response(ApiError(503, "the engine loop is not running"))
+        return _json(200, "{}")
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render() if metrics is not None else b"", media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
+        return _json(200, ModelList(data=[card]).model_dump_json())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        job = serving.prepare_completion(body)
+        stream = await serving.submit(job)
+        if job.stream:
+            return EventStreamResponse(serving.completion_events(job, stream), on_close=stream.abort)
+        return await _unless_disconnected(request, serving.completion_response(job, stream), stream.abort)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        job = serving.prepare_chat(body)
+        stream = await serving.submit(job)
+        if job.stream:
+            return EventStreamResponse(serving.chat_events(job, stream), on_close=stream.abort)
+        return await _unless_disconnected(request, serving.chat_response(job, stream), stream.abort)
+
+    return app
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server that, on shutdown (SIGINT/SIGTERM or `should_exit`), first ends the
+    requests in flight, then lets uvicorn close the connections, then stops the engine loop."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets=None):
+        self.engine.abort_all()
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await asyncio.to_thread(self.engine.stop)
+
+
+# ---------------------------------------------------------------------------- CLI
+def register(sub) -> None:
+    """Add the `serve` subcommand to the `mambaserve` CLI."""
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model directory's name)")
+    g.add_argument("--api-key", default=os.environ.get("MAMBASERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MAMBASERVE_API_KEY)")
+    g.add_argument("--max-queue-len", type=int, default=None,
+                   help="waiting sequences beyond which requests get 503 (default: unbounded)")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.set_defaults(func=run)
+
+
+def served_model_name(args: argparse.Namespace) -> str:
+    """--served-model-name, else the model path's last component."""
+    return args.served_model_name or os.path.basename(os.path.normpath(args.model))
+
+
+def build_server(args: argparse.Namespace) -> Server:
+    """Load the engine from parsed `serve` arguments and return the (not yet running) server."""
+    from mambaserve.engine.llm_engine import LLMEngine
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    if args.max_queue_len is not None and args.max_queue_len < 1:
+        raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
+    if args.max_request_body_bytes < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    name = served_model_name(args)
+    engine = LLMEngine(engine_config_from_args(args, max_queue_len=args.max_queue_len))
+    async_engine = AsyncEngine(engine, ServerMetrics(name))
+    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=30)
+    return Server(config, async_engine)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`mambaserve serve`: serve until SIGINT/SIGTERM."""
+    server = build_server(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("serving on %s without --api-key: anyone who can reach this port can use it", args.host)
+    server.run()
+    return 0
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening TCP socket (port 0: a free one), for `Server.run(sockets=[...])` in tests."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return sock
