@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# Tiny test models gain nothing from intra-op threads, and lose much when cores are shared.
+torch.set_num_threads(1)
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -208,23 +208,24 @@ class LLMEngine:
     def _update_text_and_stop(self, req: _Request, idx: int, seq: Sequence, token: int) -> None:
         p = seq.sampling_params
         state = req.decode[idx]
-        if self.detokenizer is not None:
-            self.detokenizer.step(state, seq.output_token_ids, p.skip_special_tokens)
-            if seq.output_logprobs and seq.output_logprobs[-1]:
-                for tok, lp in seq.output_logprobs[-1].items():
-                    lp.decoded_token = self.tokenizer.decode([tok])
         status = None
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-            elif p.stop and self.detokenizer is not None:
-                cut = self._find_stop(state.text, p, len(state.text) - 64)
-                if cut is not None:
-                    stop, pos = cut
-                    state.text = state.text[: pos + (len(stop) if p.include_stop_str_in_output else 0)]
-                    status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        # A stop token's own text is left out of the output, as in vLLM, unless asked for.
+        if self.detokenizer is not None and (status is None or p.include_stop_str_in_output):
+            self.detokenizer.step(state, seq.output_token_ids, p.skip_special_tokens)
+        if self.detokenizer is not None and seq.output_logprobs and seq.output_logprobs[-1]:
+            for tok, lp in seq.output_logprobs[-1].items():
+                lp.decoded_token = self.tokenizer.decode([tok])
+        if status is None and p.stop and self.detokenizer is not None:
+            cut = self._find_stop(state.text, p, len(state.text) - 64)
+            if cut is not None:
+                stop, pos = cut
+                state.text = state.text[: pos + (len(stop) if p.include_stop_str_in_output else 0)]
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
         if status is None and (seq.num_output_tokens >= (p.max_tokens or self.max_model_len)
                                or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH

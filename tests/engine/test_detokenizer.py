@@ -49,3 +49,15 @@ def test_stop_strings_cut_the_text():
                                                           include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert out.text == base.text[: base.text.index(stop) + len(stop)]
     assert llm.llm_engine.slot_pool.num_used == 0
+
+
+def test_stop_token_text_is_left_out():
+    llm = LLM(dtype="float32")
+    base = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
+    stop_tok = base.token_ids[6]
+    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    first = base.token_ids.index(stop_tok)
+    assert out.token_ids == base.token_ids[: first + 1] and out.stop_reason == stop_tok
+    assert out.text == tok.decode(base.token_ids[:first])
