@@ -30,6 +30,7 @@ from tests.tokenized import tokenized_checkpoint  # noqa: E402
 MODEL = "tiny"
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+NUM_KV_BLOCKS = 512
 PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, world!", "class Stack:", "Simple is better",
            "Numbers: 1 2 3", "Tell me a story", "    return a"]
 
@@ -39,6 +40,9 @@ def running_server(*flags: str):
     """A `mambaserve serve` server in a background thread; yields (base_url, uvicorn server)."""
     args = build_parser().parse_args(["serve", tokenized_checkpoint(), "--dtype", "float32", "--served-model-name",
                                       MODEL, "--uvicorn-log-level", "warning", *flags])
+    # Several engines live in this process: a fixed small KV pool each, rather than one engine
+    # taking the whole memory budget (an EngineConfig field with no flag; the args carry it).
+    args.num_kv_blocks = NUM_KV_BLOCKS
     server = build_server(args)
     sock = bind_socket("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -76,7 +80,7 @@ def client(base_url):
 @pytest.fixture(scope="module")
 def offline():
     """The offline engine over the same checkpoint: greedy texts are the reference."""
-    llm = LLM(tokenized_checkpoint(), dtype="float32")
+    llm = LLM(tokenized_checkpoint(), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS)
     cache = {}
 
     def greedy(prompt, max_tokens: int, **kw):
@@ -291,7 +295,7 @@ def test_errors(base_url, client):
 
 
 def test_queue_full_gives_503():
-    with running_server("--max-num-seqs", "1", "--max-queue-len", "1") as (url, _):
+    with running_server("--max-num-seqs", "1", "--max-queue-len", "1", "--enforce-eager") as (url, _):
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         running = c.completions.create(model=MODEL, prompt="hello", max_tokens=400, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -313,7 +317,7 @@ def test_queue_full_gives_503():
 
 
 def test_shutdown_aborts_streams_and_stops_the_loop():
-    with running_server() as (url, server):
+    with running_server("--enforce-eager") as (url, server):
         with httpx.stream("POST", f"{url}/v1/completions", timeout=30,
                           json={"prompt": "hello", "max_tokens": 1000, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()
