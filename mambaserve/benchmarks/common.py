@@ -1,0 +1,121 @@
+"""What every benchmark record shares: the environment, the flags, percentiles, the JSON file.
+
+A record is a flat dict of the measured numbers plus "environment" (GPU, versions, time) and
+"args" (every flag as parsed), so results from different runs and engines line up. Knows
+nothing about how the numbers were measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+from pathlib import Path
+
+PERCENTILES = (10, 25, 50, 75, 90, 99)
+
+# files whose presence means a checkpoint directory carries its own tokenizer
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def environment_info(engine: str = "mambaserve", device: str | None = None) -> dict:
+    """GPU name (or "cpu" when device is "cpu" or there is none), engine name and version
+    ("mambaserve", or "transformers" for the baseline), torch/triton/transformers/Python versions."""
+    import torch
+
+    import mambaserve
+
+    on_gpu = torch.cuda.is_available() and device != "cpu"
+    info = {
+        "gpu": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "num_gpus": torch.cuda.device_count() if on_gpu else 0,
+        "engine": engine,
+        "engine_version": mambaserve.__version__,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "triton_version": _version_of("triton"),
+        "transformers_version": _version_of("transformers"),
+        "python_version": platform.python_version(),
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if engine == "transformers":
+        info["engine_version"] = info["transformers_version"]
+    return info
+
+
+def _version_of(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except Exception:  # noqa: BLE001 - absent or broken: record that it was not there
+        return None
+
+
+def engine_record(llm) -> dict:
+    """The engine as it resolved itself: compilation mode, config, and the pool sizes it chose."""
+    import dataclasses
+
+    engine = llm.llm_engine
+    runner = engine.runner
+    return {
+        "compilation_mode": engine.config.resolved_compilation_mode(),
+        "engine_config": dataclasses.asdict(engine.config),
+        "engine_resolved": {name: getattr(runner, attr, None) for name, attr in (
+            ("max_model_len", "max_model_len"), ("max_num_seqs", "max_num_seqs"),
+            ("max_num_batched_tokens", "max_num_batched_tokens"), ("num_state_slots", "num_slots"),
+            ("num_kv_blocks", "num_blocks"), ("dtype", "dtype"))},
+    }
+
+
+def args_record(args: argparse.Namespace) -> dict:
+    """Every parsed flag, JSON-safe (the CLI's dispatch function left out)."""
+    return {k: v for k, v in vars(args).items() if not callable(v)}
+
+
+def percentiles(values: list[float], qs=PERCENTILES) -> dict[str, float]:
+    """{"10": p10, "25": p25, ...} of `values` (linear interpolation, as numpy's default)."""
+    import numpy as np
+
+    if not values:
+        return {str(q): float("nan") for q in qs}
+    return {str(q): float(v) for q, v in zip(qs, np.percentile(np.asarray(values, dtype=np.float64), qs))}
+
+
+def write_json(path: str | os.PathLike, record: dict) -> None:
+    """Write `record` as indented JSON, creating parent folders; atomic (rename) so a killed
+    run never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(_json_safe(record), f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _json_safe(x):
+    """Non-finite floats as strings ("inf", "nan"): strict JSON has no Infinity or NaN."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def has_tokenizer(model: str) -> bool:
+    """Whether `model` is a checkpoint directory that carries tokenizer files."""
+    p = Path(model)
+    return p.is_dir() and any((p / name).is_file() for name in _TOKENIZER_FILES)
+
+
+def resolve_skip_tokenizer(args: argparse.Namespace) -> None:
+    """Benchmarks feed token ids: skip the tokenizer where there is none to load (dummy
+    weights or a checkpoint without tokenizer files) unless --tokenizer names one."""
+    if getattr(args, "tokenizer", None):
+        return
+    if args.load_format == "dummy" or not has_tokenizer(args.model):
+        args.skip_tokenizer_init = True

@@ -1,0 +1,290 @@
+"""`mambaserve bench serve`: load-test any OpenAI-compatible completions server over HTTP.
+
+Requests are sent with `stream: true` at a Poisson (or gamma, with --burstiness) arrival rate,
+at most --max-concurrency in flight; each response is read as server-sent events ("data: {json}"
+lines, ended by "data: [DONE]"). Every chunk that carries choices counts as one token event:
+the first gives the time to first token (TTFT), the gaps between later ones the inter-token
+latencies (ITL). A request's output token count is the server's `usage.completion_tokens`
+(asked for with stream_options.include_usage), else the tokenized text's length when a
+tokenizer is given, else the number of chunks; TPOT = (latency - TTFT) / (tokens - 1).
+It knows nothing about our engine: it only speaks HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from dataclasses import dataclass, field
+
+from mambaserve.benchmarks.common import args_record, environment_info, write_json
+from mambaserve.benchmarks.datasets import BenchRequest, build_requests
+from mambaserve.benchmarks.throughput import add_dataset_args
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `bench serve` (vLLM's `bench serve` names)."""
+    parser.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--model", default=None,
+                        help="model name sent in requests (default: the first of GET /v1/models); a local checkpoint "
+                             "or config path also gives the vocabulary size and tokenizer")
+    parser.add_argument("--served-model-name", default=None, help="name sent in requests when it differs from --model")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory: for a ShareGPT file and for counting tokens")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="random token ids are drawn below this (default: the tokenizer's size, or the vocab_size of "
+                             "--model, or of the server's model root, when it is a local checkpoint or config; else 10000)")
+    add_dataset_args(parser)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf sends all at once")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM extension) so outputs reach max_tokens")
+    parser.add_argument("--request-timeout", type=float, default=6 * 3600, help="seconds before a request is abandoned")
+    parser.add_argument("--output-json", default=None, help="write the results record here")
+    parser.add_argument("--save-detailed", action="store_true", help="also record every request's lengths and timings")
+    parser.add_argument("--disable-tqdm", action="store_true")
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request measured. ttft, latency and itl in seconds."""
+
+    prompt_len: int
+    success: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    num_chunks: int = 0
+    text: str = ""
+    usage_completion_tokens: int | None = None
+    error: str = ""
+
+
+async def stream_completion(session, url: str, payload: dict, prompt_len: int) -> RequestResult:
+    """POST one streaming completion request and time its server-sent events."""
+    import aiohttp
+
+    res = RequestResult(prompt_len=prompt_len)
+    t0 = last = time.perf_counter()
+    try:
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return res
+            async for raw in resp.content:  # one line at a time
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:"):
+                    continue  # event separators, ": keep-alive" comments, other SSE fields
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    res.error = f"server error: {str(chunk['error'])[:300]}"
+                    return res
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    res.usage_completion_tokens = int(usage["completion_tokens"])
+                choices = chunk.get("choices")
+                if choices:
+                    now = time.perf_counter()
+                    if res.num_chunks == 0:
+                        res.ttft = now - t0
+                    else:
+                        res.itl.append(now - last)
+                    last = now
+                    res.num_chunks += 1
+                    res.text += choices[0].get("text") or ""
+        res.latency = time.perf_counter() - t0
+        res.success = res.num_chunks > 0
+        if not res.success:
+            res.error = "the stream carried no completion chunk"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # JSONDecodeError is a ValueError
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _payload(model: str, req: BenchRequest, args: argparse.Namespace) -> dict:
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": args.temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+async def run_load(requests: list[BenchRequest], url: str, model: str,
+                   args: argparse.Namespace) -> tuple[list[RequestResult], float]:
+    """Send every request at the chosen rate and concurrency; returns the results (in request
+    order) and the benchmark's duration in seconds. The first request is sent once alone
+    beforehand to check the server (not counted); ValueError if it fails."""
+    import aiohttp
+    import numpy as np
+
+    headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"} if os.environ.get("OPENAI_API_KEY") else {}
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    rng = np.random.default_rng(args.seed)
+    sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    bar = None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
+        probe = await stream_completion(session, url, _payload(model, requests[0], args), requests[0].prompt_len)
+        if not probe.success:
+            raise ValueError(f"the test request to {url} failed: {probe.error}")
+        if not args.disable_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(requests), desc="Requests", dynamic_ncols=True)
+
+        async def one(req: BenchRequest) -> RequestResult:
+            if sem is None:
+                res = await stream_completion(session, url, _payload(model, req, args), req.prompt_len)
+            else:
+                async with sem:
+                    res = await stream_completion(session, url, _payload(model, req, args), req.prompt_len)
+            if bar is not None:
+                bar.update(1)
+            return res
+
+        start = time.perf_counter()
+        tasks = []
+        for i, req in enumerate(requests):
+            if i and args.request_rate != float("inf"):
+                # gamma(shape k, scale 1/(rate k)) gaps: mean 1/rate; k = 1 is a Poisson process
+                k = args.burstiness
+                await asyncio.sleep(float(rng.gamma(k, 1.0 / (args.request_rate * k))))
+            tasks.append(asyncio.create_task(one(req)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return list(results), duration
+
+
+def serve_record(results: list[RequestResult], duration: float, tokenizer=None, detailed: bool = False) -> dict:
+    """Aggregate per-request results: counts, throughput, and TTFT/TPOT/ITL/E2EL statistics (ms);
+    with `detailed`, also the per-request lengths and timings (seconds)."""
+    import numpy as np
+
+    ok = [r for r in results if r.success]
+    out_lens, source = [], "chunks"
+    for r in ok:
+        if r.usage_completion_tokens is not None:
+            out_lens.append(r.usage_completion_tokens)
+            source = "usage"
+        elif tokenizer is not None:
+            out_lens.append(len(tokenizer(r.text, add_special_tokens=False)["input_ids"]))
+            source = "tokenizer"
+        else:
+            out_lens.append(r.num_chunks)
+    tpots = [(r.latency - r.ttft) / (n - 1) for r, n in zip(ok, out_lens) if n > 1]
+    series = {"ttft": [r.ttft for r in ok], "tpot": tpots, "itl": [x for r in ok for x in r.itl],
+              "e2el": [r.latency for r in ok]}
+    in_tokens, out_tokens = sum(r.prompt_len for r in ok), sum(out_lens)
+    rec = {
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens, "output_token_count_source": source,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+    }
+    for name, xs in series.items():
+        a = np.asarray(xs, dtype=np.float64) * 1e3
+        for stat, fn in (("mean", np.mean), ("median", np.median), ("std", np.std)):
+            rec[f"{stat}_{name}_ms"] = float(fn(a)) if a.size else 0.0
+        rec[f"p99_{name}_ms"] = float(np.percentile(a, 99)) if a.size else 0.0
+    rec["errors"] = [r.error for r in results if not r.success][:20]
+    if detailed:
+        rec.update({"input_lens": [r.prompt_len for r in ok], "output_lens": out_lens, "ttfts": series["ttft"],
+                    "e2els": series["e2el"], "itls": [r.itl for r in ok]})
+    return rec
+
+
+def print_serve(rec: dict) -> None:
+    w = 44
+    print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w + 12, c="="))
+    for label, key, fmt in (("Successful requests:", "completed", "d"), ("Failed requests:", "failed", "d"),
+                            ("Benchmark duration (s):", "duration", ".2f"),
+                            ("Total input tokens:", "total_input_tokens", "d"),
+                            ("Total generated tokens:", "total_output_tokens", "d"),
+                            ("Request throughput (req/s):", "request_throughput", ".2f"),
+                            ("Output token throughput (tok/s):", "output_throughput", ".2f"),
+                            ("Total token throughput (tok/s):", "total_token_throughput", ".2f")):
+        print(f"{label:<{w}}{rec[key]:>12{fmt}}")
+    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                        ("itl", "Inter-token Latency")):
+        print("{s:{c}^{n}}".format(s=title, n=w + 12, c="-"))
+        for stat in ("mean", "median", "p99"):
+            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {name.upper()} (ms):"
+            print(f"{label:<{w}}{rec[f'{stat}_{name}_ms']:>12.2f}")
+    print("=" * (w + 12))
+
+
+def _tokenizer_for(args: argparse.Namespace, local_model: str | None):
+    from mambaserve.benchmarks.common import has_tokenizer
+
+    path = args.tokenizer or (local_model if local_model and has_tokenizer(local_model) else None)
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _vocab_size(args: argparse.Namespace, tokenizer, local_model: str | None) -> int:
+    if args.vocab_size:
+        return args.vocab_size
+    if tokenizer is not None:
+        return len(tokenizer)
+    if local_model:
+        from mambaserve.loader import load_config
+
+        return int(load_config(local_model).vocab_size)
+    return 10000
+
+
+async def _first_model(base_url: str) -> tuple[str, str | None]:
+    """The first model the server lists: its id, and its "root" (the path it was loaded from,
+    as vLLM and mambaserve report it), if any."""
+    import aiohttp
+
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            async with s.get(base_url + "/v1/models") as resp:
+                first = (await resp.json())["data"][0]
+                return first["id"], first.get("root")
+    except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError) as e:
+        raise ValueError(f"could not list the models at {base_url}/v1/models ({e}): pass --model") from e
+
+
+def main(args: argparse.Namespace) -> int:
+    """`mambaserve bench serve`: build the dataset, load the server, print and save the results."""
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    if args.request_rate <= 0 or args.burstiness <= 0:
+        raise ValueError("--request-rate and --burstiness must be > 0")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    model, root = args.served_model_name or args.model, None
+    if model is None:
+        model, root = asyncio.run(_first_model(base_url))
+    # a checkpoint or config on this machine (--model, or the server's root) gives vocabulary and tokenizer
+    local_model = next((m for m in (args.model, root) if m and os.path.exists(m)), None)
+    tokenizer = _tokenizer_for(args, local_model)
+    requests = build_requests(args.dataset, args.num_prompts, vocab_size=_vocab_size(args, tokenizer, local_model),
+                              tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
+                              range_ratio=args.random_range_ratio, seed=args.seed)
+    results, duration = asyncio.run(run_load(requests, base_url + args.endpoint, model, args))
+    rec = serve_record(results, duration, tokenizer, detailed=args.save_detailed)
+    print_serve(rec)
+    if args.output_json:
+        record = {"benchmark": "serve", "environment": environment_info(device="cpu"), "role": "client",
+                  "args": args_record(args), "base_url": base_url, "endpoint": args.endpoint, "model": model,
+                  "dataset": args.dataset, "num_prompts": len(requests), "request_rate": args.request_rate,
+                  "max_concurrency": args.max_concurrency, **rec}
+        write_json(args.output_json, record)
+    return 0

@@ -1,0 +1,113 @@
+"""`mambaserve bench throughput`: offline throughput, as vLLM's benchmark_throughput.
+
+All requests go to one `LLM.generate` call (the engine batches them continuously); each
+generates exactly its output length (EOS ignored, temperature 1). A few untimed requests run
+first, so that the first use of each kernel (Triton compiles on first call) is not timed. The elapsed time of that
+call gives requests/s, total tokens/s (prompt + generated) and output tokens/s; the tokens are
+counted from the outputs the engine returned, not taken from the dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from mambaserve.benchmarks.common import (args_record, engine_record, environment_info, resolve_skip_tokenizer,
+                                          write_json)
+from mambaserve.benchmarks.datasets import RANDOM, SYNTHETIC, BenchRequest, build_requests
+from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """--dataset and its companions (shared by `bench throughput` and `bench serve`)."""
+    parser.add_argument("--dataset", default=SYNTHETIC,
+                        help=f"'{SYNTHETIC}' (built-in ShareGPT-shaped lengths, random token ids; default), "
+                             f"'{RANDOM}' (random token ids of --input-len/--output-len), or a ShareGPT-format JSON file")
+    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--input-len", type=int, default=1024, help="prompt length of --dataset random")
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="output length (default 128 for --dataset random; overrides the dataset's otherwise)")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="--dataset random: lengths uniform in [len*(1-r), len*(1+r)]")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """Flags of `bench throughput`: dataset flags, output, and the shared engine flags."""
+    add_dataset_args(parser)
+    parser.add_argument("--num-warmup-prompts", type=int, default=16,
+                        help="untimed requests first (the dataset's first ones, at most 16 output tokens each), so "
+                             "that kernel compilation is not timed")
+    parser.add_argument("--output-json", default=None, help="write the results record here")
+    parser.add_argument("--disable-tqdm", action="store_true")
+    add_engine_args(parser)
+
+
+def _prompt(r: BenchRequest):
+    return {"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt
+
+
+def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True, num_warmup_prompts: int = 0) -> dict:
+    """Generate all `requests` in one `llm.generate` call, after `num_warmup_prompts` untimed
+    ones (the first requests, outputs capped at 16 tokens); returns the measured record fields."""
+    from mambaserve.sampling_params import SamplingParams
+
+    def params_for(r: BenchRequest, cap: int | None = None) -> SamplingParams:
+        n = r.output_len if cap is None else min(cap, r.output_len)
+        return SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n)
+
+    warm = requests[:max(0, num_warmup_prompts)]
+    if warm:
+        llm.generate([_prompt(r) for r in warm], [params_for(r, 16) for r in warm], use_tqdm=False)
+    prompts = [_prompt(r) for r in requests]
+    params = [params_for(r) for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return throughput_record(len(outs), elapsed, prompt_tokens, output_tokens,
+                             expected_output_tokens=sum(r.output_len for r in requests))
+
+
+def throughput_record(num_requests: int, elapsed: float, prompt_tokens: int, output_tokens: int,
+                      expected_output_tokens: int) -> dict:
+    """The measured fields of a throughput record (shared with the transformers baseline)."""
+    total = prompt_tokens + output_tokens
+    return {
+        "num_requests": num_requests, "elapsed_time": elapsed,
+        "total_prompt_tokens": prompt_tokens, "total_output_tokens": output_tokens, "total_num_tokens": total,
+        "expected_output_tokens": expected_output_tokens,
+        "requests_per_second": num_requests / elapsed,
+        "tokens_per_second": total / elapsed,
+        "output_tokens_per_second": output_tokens / elapsed,
+    }
+
+
+def print_throughput(rec: dict) -> None:
+    print(f"Throughput: {rec['requests_per_second']:.2f} requests/s, {rec['tokens_per_second']:.2f} total tokens/s, "
+          f"{rec['output_tokens_per_second']:.2f} output tokens/s")
+    print(f"Total num prompt tokens:  {rec['total_prompt_tokens']}")
+    print(f"Total num output tokens:  {rec['total_output_tokens']}")
+
+
+def main(args: argparse.Namespace, llm=None) -> int:
+    """`mambaserve bench throughput`: build the engine from the flags (or use `llm`, built by the
+    caller; its config is what gets recorded) and the dataset, measure, print, save."""
+    from mambaserve.llm import LLM
+
+    if llm is None:
+        resolve_skip_tokenizer(args)
+        llm = LLM.from_config(engine_config_from_args(args))
+    config = llm.llm_engine.config
+    tokenizer = llm.get_tokenizer()
+    requests = build_requests(args.dataset, args.num_prompts, vocab_size=llm.llm_engine.runner.vocab_size,
+                              tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
+                              range_ratio=args.random_range_ratio, seed=args.seed)
+    rec = measure_throughput(llm, requests, use_tqdm=not args.disable_tqdm, num_warmup_prompts=args.num_warmup_prompts)
+    print_throughput(rec)
+    if args.output_json:
+        record = {"benchmark": "throughput", "environment": environment_info(device=config.resolved_device()),
+                  **engine_record(llm), "args": args_record(args),
+                  "dataset": args.dataset, **rec}
+        write_json(args.output_json, record)
+    return 0
