@@ -28,7 +28,8 @@ class EngineConfig:
     CPU). block_size: tokens per KV block. gpu_memory_utilization: fraction of GPU memory the
     engine may use in all (weights, activations, caches). cpu_cache_bytes: byte budget of the
     caches on the CPU. num_kv_blocks / num_state_slots: force the pool sizes (tests).
-    mamba_ssm_cache_dtype: dtype of the SSM state ("float32" default, or "auto" = model dtype).
+    mamba_ssm_cache_dtype: dtype of the SSM state ("float32" default; "auto" = the model
+    family's own default where it declares one, e.g. float32 for Nemotron-H, else the model dtype).
     compilation_mode: "eager", "piecewise" or "full_and_piecewise" (GPU default);
     enforce_eager=True forces "eager". cuda_graph_sizes: decode batch sizes to capture.
     """

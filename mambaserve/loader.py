@@ -101,15 +101,17 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     """Copy every tensor of the checkpoint into the parameter of the same HF name.
 
     Raises ValueError naming the tensor on an unexpected name, a shape mismatch, or a missing
-    parameter. With tied embeddings a stored lm_head.weight is ignored.
+    parameter. With tied embeddings a stored lm_head.weight is ignored, and so are tensors
+    under the model's `checkpoint_ignore_prefixes` (parts of the checkpoint it does not use).
     """
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
     tied = getattr(model.config, "tie_word_embeddings", False)
+    ignored = tuple(getattr(model, "checkpoint_ignore_prefixes", ()))
     loaded: set[str] = set()
     for file in safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if tied and name == "lm_head.weight":
+                if (tied and name == "lm_head.weight") or (ignored and name.startswith(ignored)):
                     continue
                 if name not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}: no such parameter in {type(model).__name__}")

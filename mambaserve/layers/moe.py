@@ -1,9 +1,15 @@
-"""Granite's sparse mixture of experts: top-k softmax routing over SiLU-gated experts.
+"""Sparse mixtures of experts.
 
-Routing (Shazeer et al. 2017): the router's logits are computed in float32, the top-k are kept
-and renormalised by a softmax over those k. The experts run in `mambaserve.ops.fused_moe`.
-Parameter names follow the HF checkpoint: `router.layer`, `input_linear` (E, 2I, H) and
-`output_linear` (E, H, I).
+Granite: top-k softmax routing over SiLU-gated experts (Shazeer et al. 2017): the router's
+logits are computed in float32, the top-k are kept and renormalised by a softmax over those k.
+The experts run in `mambaserve.ops.fused_moe`. Parameter names follow the HF checkpoint:
+`router.layer`, `input_linear` (E, 2I, H) and `output_linear` (E, H, I).
+
+Sigmoid group-limited routing (DeepSeek-V3, arXiv 2412.19437, section 2.1.2; Nemotron-H's MoE
+layers) over ungated experts down(act(up(x))): `SigmoidGroupRouter` and `UngatedExperts`, with
+the checkpoint's per-expert names `experts.{e}.up_proj` / `experts.{e}.down_proj`. These
+experts are plain PyTorch (one matrix product pair per routed expert): `ops.fused_moe` computes
+SiLU-gated experts only.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve import ops
+from mambaserve.layers.activation import get_activation
 
 
 class _Router(nn.Module):
@@ -44,3 +51,98 @@ class GraniteMoE(nn.Module):
         top_logits, top_ids = logits.topk(self.top_k, dim=-1)  # (T, k)
         top_weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
         return ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids)
+
+
+class SigmoidGroupRouter(nn.Module):
+    """DeepSeek-V3 routing. x: (num_tokens, hidden) -> weights (num_tokens, top_k) float32, ids
+    (num_tokens, top_k) int64.
+
+    s = sigmoid(x W^T) in float32; choosing uses s + e_score_correction_bias, restricted to the
+    topk_group expert groups (of n_group) whose two best biased scores sum highest; the weights
+    are the unbiased s of the chosen experts, divided by their sum when norm_topk_prob, times
+    routed_scaling_factor. HF names: `weight` (E, hidden), `e_score_correction_bias` (E,).
+    """
+
+    float32_params = ("weight", "e_score_correction_bias")
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, n_group: int = 1, topk_group: int = 1,
+                 norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0):
+        super().__init__()
+        if num_experts % n_group or topk_group > n_group:
+            raise ValueError(f"{num_experts} experts don't split into n_group={n_group} groups of which topk_group={topk_group} are kept")
+        if top_k > num_experts // n_group * topk_group:
+            raise ValueError(f"top_k={top_k} exceeds the experts of the {topk_group} kept groups")
+        self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, float(routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        T, E = x.shape[0], self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (T, E)
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(T, self.n_group, E // self.n_group)
+            group_scores = grouped.topk(min(2, E // self.n_group), dim=-1).values.sum(-1)  # (T, n_group)
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(T, E)
+        ids = choice.topk(self.top_k, dim=-1).indices  # (T, k)
+        weights = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class _Expert(nn.Module):
+    def __init__(self, size: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Linear(size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, size, bias=False)
+
+
+class UngatedExperts(nn.ModuleList):
+    """out[t] = sum_k weights[t, k] * down_e(act(up_e(x_t))), e = ids[t, k], summed in float32.
+
+    x: (num_tokens, size); weights, ids: (num_tokens, top_k) -> (num_tokens, size) in x.dtype.
+    A list of experts, so the names are the checkpoint's `{e}.up_proj` / `{e}.down_proj`.
+    Eager: the (token, k) pairs are sorted by expert and each routed expert runs once on its
+    rows (this reads the per-expert counts on the host). While a CUDA graph is being captured no
+    host read is allowed, so every expert runs on every token and its rows are selected: the
+    same result for num_experts / top_k times the work.
+    """
+
+    def __init__(self, size: int, intermediate_size: int, num_experts: int, activation: str):
+        super().__init__(_Expert(size, intermediate_size) for _ in range(num_experts))
+        self.act = get_activation(activation)
+
+    def _run(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        ex = self[e]
+        return ex.down_proj(self.act(ex.up_proj(x)))
+
+    def _per_pair_sorted(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        T, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # (T * k,) pairs in expert order
+        counts = torch.bincount(flat, minlength=len(self)).tolist()
+        xs = x[order // k]  # (T * k, size)
+        ys = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                ys[start : start + n] = self._run(e, xs[start : start + n])
+                start += n
+        y = torch.empty_like(ys)
+        y[order] = ys  # back to (token, k) order
+        return y.view(T, k, -1)
+
+    def _per_pair_dense(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        y = x.new_zeros(ids.shape[0], ids.shape[1], x.shape[1])  # (T, k, size)
+        for e in range(len(self)):
+            y = torch.where((ids == e)[..., None], self._run(e, x)[:, None, :], y)
+        return y
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        y = self._per_pair_dense(x, ids) if capturing else self._per_pair_sorted(x, ids)
+        return (y.float() * weights.float()[..., None]).sum(1).to(x.dtype)

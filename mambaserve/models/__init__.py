@@ -9,6 +9,8 @@ _REGISTRY = {
     "Mamba2ForCausalLM": ("mambaserve.models.mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("mambaserve.models.bamba", "BambaForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("mambaserve.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    "Zamba2ForCausalLM": ("mambaserve.models.zamba2", "Zamba2ForCausalLM"),
+    "NemotronHForCausalLM": ("mambaserve.models.nemotron_h", "NemotronHForCausalLM"),
 }
 
 

@@ -59,9 +59,17 @@ class HybridForCausalLM(nn.Module):
     """Common parts: logits, cache declaration, parameter initialisation for dummy weights.
 
     Subclasses set `self.lm_head` (or tie it), `self.logits_scale` and implement `forward`.
+    Per-family settings the engine and loader read:
+    - default_mamba_ssm_cache_dtype: the SSM state dtype the family is meant to run with
+      ("float32" for Nemotron-H), used when the engine's mamba_ssm_cache_dtype is "auto";
+      None means the model dtype.
+    - checkpoint_ignore_prefixes: checkpoint tensors the model does not use (e.g. Nemotron's
+      multi-token-prediction head "mtp."), skipped by the loader instead of rejected.
     """
 
     logits_scale: float = 1.0
+    default_mamba_ssm_cache_dtype: str | None = None
+    checkpoint_ignore_prefixes: tuple[str, ...] = ()
 
     def __init__(self, config):
         super().__init__()

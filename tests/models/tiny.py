@@ -41,6 +41,42 @@ CONFIGS = {
         n_groups=1, expand=2, chunk_size=8, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
         time_step_limit=(0.01, 0.5),
     ),
+    # Zamba2: two shared blocks over three hybrid depths, attention and MLP adapters, RoPE,
+    # time_step_min high enough that transformers' lower dt clamp binds; tied embeddings
+    "zamba2": dict(
+        arch="Zamba2", initializer_range=0.2, vocab_size=193, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba"], num_mem_blocks=2,
+        num_attention_heads=4, num_key_value_heads=4, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+        n_mamba_heads=4, mamba_d_state=8, mamba_ngroups=2, mamba_expand=2, chunk_size=8, time_step_min=0.02,
+        hidden_act="gelu", rms_norm_eps=1e-4, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    # Zamba2: one shared block, hybrid first layer, GQA, no attention adapters, NoPE. Tied
+    # embeddings: transformers 5 ties the shared blocks' weights only when it ties embeddings.
+    "zamba2-gqa": dict(
+        arch="Zamba2", initializer_range=0.2, vocab_size=181, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
+        layers_block_type=["hybrid", "mamba", "hybrid", "mamba"], num_mem_blocks=1,
+        num_attention_heads=4, num_key_value_heads=2, use_shared_attention_adapter=False, adapter_rank=4, use_mem_rope=False,
+        n_mamba_heads=6, mamba_d_state=16, mamba_ngroups=1, mamba_expand=2, chunk_size=8,
+        hidden_act="gelu", tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    # Nemotron-H: Mamba, NoPE GQA attention and MLP-only layers; head_dim != hidden / heads,
+    # Mamba width (heads x head_dim) != expand x hidden; the lower dt clamp binds
+    "nemotron-h": dict(
+        arch="NemotronH", initializer_range=0.2, vocab_size=191, hidden_size=48, intermediate_size=80,
+        hybrid_override_pattern="M*-M-", num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, chunk_size=8, time_step_min=0.02,
+        layer_norm_epsilon=1e-4, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    # Nemotron-H with MoE layers: grouped sigmoid routing, latent experts, shared expert, scaling;
+    # tie_word_embeddings=True, which transformers ignores for Nemotron-H (lm_head stays its own)
+    "nemotron-h-moe": dict(
+        arch="NemotronH", initializer_range=0.2, vocab_size=187, hidden_size=32, intermediate_size=48,
+        hybrid_override_pattern="ME*-E", num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=24,
+        moe_shared_expert_intermediate_size=40, moe_latent_size=16, routed_scaling_factor=2.5,
+        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
 }
 
 
@@ -66,6 +102,9 @@ def _perturb(model, seed):
             p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g)).add_(0.05 * torch.randn(p.shape, generator=g))
         if name.endswith("dt_bias"):
             p.copy_(torch.randn(p.shape, generator=g) - 1.0)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # zero at init; a buffer in transformers
+            b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
 @functools.lru_cache(maxsize=None)

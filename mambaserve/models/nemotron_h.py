@@ -1,0 +1,188 @@
+"""NemotronHForCausalLM (NVIDIA Nemotron-H, Nemotron-Nano-2, Nemotron-3): a stack of
+single-purpose pre-norm residual layers, one kind per layer.
+
+The layer pattern is `hybrid_override_pattern` ("M" Mamba2, "*" attention, "-" MLP, "E" MoE),
+which transformers turns into `layers_block_type` ("linear_attention", "full_attention", "mlp",
+"moe"). Every layer is h = h + mixer(norm(h)); there is no separate MLP after a mixer.
+- attention: GQA with no positional embedding at all (the Mamba layers carry position),
+  softmax scale 1/sqrt(head_dim), no biases (transformers ignores `attention_bias`);
+- MLP: down(relu2(up(x))) (squared ReLU, no gate);
+- MoE: sigmoid group-limited routing over ungated relu2 experts plus a shared expert, with an
+  optional latent projection around the routed experts (`mambaserve.layers.moe`; the experts
+  are plain PyTorch for now, as `ops.fused_moe` is SiLU-gated only);
+- RMSNorm multiplies by its weight in float32 before casting (the reference's order).
+The SSM state defaults to float32 (`default_mamba_ssm_cache_dtype`, from the config's
+`mamba_ssm_cache_dtype`), as in the reference.
+
+The math follows transformers' `models/nemotron_h/modeling_nemotron_h.py` (v5), including two
+of its choices: the Mamba time step is clamped below at `time_step_min` (its prefill applies
+`dt_limit=(time_step_min, inf)` and ignores `time_step_limit`; its one-token decode step skips
+the clamp, we apply it in both so that decoding equals a full forward); in_proj/out_proj biases
+follow `use_bias` (not `mamba_proj_bias`).
+HF names (as the published checkpoints and transformers' save_pretrained write them):
+backbone.embeddings, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.{Mamba2 names |
+q_proj, k_proj, v_proj, o_proj | up_proj, down_proj | gate.weight, gate.e_score_correction_bias,
+experts.{e}.up_proj, experts.{e}.down_proj, shared_experts.{up,down}_proj,
+fc1_latent_proj, fc2_latent_proj}, backbone.norm_f, lm_head (never tied, as in transformers).
+Multi-token-prediction weights (`mtp.*`) are not used and are skipped when loading.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.attention import Attention
+from mambaserve.layers.mamba2 import Mamba2Mixer
+from mambaserve.layers.mlp import MLP
+from mambaserve.layers.moe import SigmoidGroupRouter, UngatedExperts
+from mambaserve.layers.norm import RMSNorm
+from mambaserve.models.base import HybridForCausalLM
+
+# transformers' layers_block_type values (and the older names) -> our layer kinds
+_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
+          "mlp": "mlp", "moe": "moe"}
+_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def nemotron_layer_kinds(config) -> list[str]:
+    """The config's layer pattern as "mamba" / "attention" / "mlp" / "moe", one per layer.
+
+    Reads `layers_block_type` (transformers >= 5), else the raw `hybrid_override_pattern`.
+    Raises ValueError for an unknown layer type.
+    """
+    names = getattr(config, "layers_block_type", None)
+    if names is None:
+        pattern = getattr(config, "hybrid_override_pattern", None)
+        if pattern is None:
+            raise ValueError("Nemotron-H config has neither layers_block_type nor hybrid_override_pattern")
+        bad = sorted(set(pattern) - set(_PATTERN))
+        if bad:
+            raise ValueError(f"unknown layer symbols {bad} in hybrid_override_pattern; expected M, *, - or E")
+        return [_PATTERN[c] for c in pattern]
+    unknown = sorted({n for n in names if n not in _KINDS})
+    if unknown:
+        raise ValueError(f"unknown Nemotron-H layer types {unknown}; expected one of {sorted(_KINDS)}")
+    return [_KINDS[n] for n in names]
+
+
+class NemotronHMoE(nn.Module):
+    """Routed ungated experts (optionally in a latent space) plus one shared expert.
+
+    x: (num_tokens, hidden) -> (num_tokens, hidden). The router and the shared expert read x;
+    the routed experts read fc1_latent_proj(x) when moe_latent_size is set, and their weighted
+    sum goes back through fc2_latent_proj.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        H = config.hidden_size
+        latent = getattr(config, "moe_latent_size", None)
+        act = config.mlp_hidden_act
+        self.gate = SigmoidGroupRouter(H, config.n_routed_experts, config.num_experts_per_tok,
+                                       n_group=config.n_group, topk_group=config.topk_group,
+                                       norm_topk_prob=config.norm_topk_prob,
+                                       routed_scaling_factor=config.routed_scaling_factor)
+        self.experts = UngatedExperts(latent or H, config.moe_intermediate_size, config.n_routed_experts, act)
+        self.shared_experts = MLP(H, config.moe_shared_expert_intermediate_size, act, bias=config.mlp_bias)
+        self.fc1_latent_proj = nn.Linear(H, latent, bias=config.mlp_bias) if latent else None
+        self.fc2_latent_proj = nn.Linear(latent, H, bias=config.mlp_bias) if latent else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)  # (T, k) float32, (T, k)
+        routed_in = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
+        routed = self.experts(routed_in, weights, ids)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed + self.shared_experts(x)
+
+
+class _Block(nn.Module):
+    def __init__(self, config, kind: str, cache_index: int):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, scale_in_float32=True)
+        if kind == "mamba":
+            if getattr(config, "mamba_hidden_act", "silu") != "silu":
+                raise ValueError(f"Nemotron-H mamba_hidden_act {config.mamba_hidden_act!r}: only 'silu' is supported")
+            self.mixer = Mamba2Mixer(
+                hidden_size=config.hidden_size,
+                num_heads=config.mamba_num_heads,
+                head_dim=config.mamba_head_dim,
+                d_state=config.ssm_state_size,
+                n_groups=config.n_groups,
+                conv_kernel=config.conv_kernel,
+                chunk_size=config.chunk_size,
+                use_conv_bias=config.use_conv_bias,
+                use_bias=config.use_bias,
+                eps=config.layer_norm_epsilon,
+                dt_limit=(float(config.time_step_min), float("inf")),
+                cache_index=cache_index,
+            )
+        elif kind == "attention":
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            self.mixer = Attention(
+                hidden_size=config.hidden_size,
+                num_heads=config.num_attention_heads,
+                num_kv_heads=config.num_key_value_heads,
+                head_dim=head_dim,
+                scale=head_dim**-0.5,
+                bias=False,
+                rotary=None,
+                cache_index=cache_index,
+            )
+        elif kind == "mlp":
+            self.mixer = MLP(config.hidden_size, config.intermediate_size, config.mlp_hidden_act, bias=config.mlp_bias)
+        else:
+            self.mixer = NemotronHMoE(config)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers, counts = [], {"mamba": 0, "attention": 0}
+        for kind in nemotron_layer_kinds(config):
+            index = counts.get(kind, -1)
+            if kind in counts:
+                counts[kind] += 1
+            layers.append(_Block(config, kind, index))
+        self.layers = nn.ModuleList(layers)
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, scale_in_float32=True)
+
+
+class NemotronHForCausalLM(HybridForCausalLM):
+    """forward(input_ids (T,), positions (T,), ctx) -> hidden (T, hidden). Positions are unused:
+    no layer has a positional embedding."""
+
+    checkpoint_ignore_prefixes = ("mtp.",)
+    default_mamba_ssm_cache_dtype = "float32"
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.backbone = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # transformers never ties Nemotron-H's lm_head to the embeddings (its tied-weights map is
+        # empty) and saves lm_head.weight whatever tie_word_embeddings says; the loader reads the
+        # flag from this config, so it is cleared here.
+        config.tie_word_embeddings = False
+        ssm_dtype = getattr(config, "mamba_ssm_cache_dtype", None)
+        if ssm_dtype is not None:
+            ssm_dtype = str(ssm_dtype).replace("torch.", "")
+            if ssm_dtype not in ("auto", "float32", "bfloat16", "float16"):
+                raise ValueError(f"config mamba_ssm_cache_dtype {ssm_dtype!r}: expected auto, float32, bfloat16 or float16")
+            self.default_mamba_ssm_cache_dtype = None if ssm_dtype == "auto" else ssm_dtype  # None: model dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.backbone.embeddings(input_ids)  # (T, hidden)
+        for layer in self.backbone.layers:
+            x = layer.norm(h)
+            if layer.kind == "mamba":
+                x = layer.mixer(x, ctx)
+            elif layer.kind == "attention":
+                x = layer.mixer(positions, x, ctx)
+            else:
+                x = layer.mixer(x)
+            h = h + x
+        return self.backbone.norm_f(h)

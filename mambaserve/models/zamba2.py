@@ -1,0 +1,268 @@
+"""Zamba2ForCausalLM (Zyphra Zamba2-1.2B / 2.7B / 7B): Mamba2 layers, plus a few shared
+transformer blocks reused at several depths (Glorioso et al. 2024, "Zamba", arXiv 2405.16712,
+fig. 2 and eq. 6; "The Zamba2 suite", arXiv 2411.15242).
+
+Every layer has a pre-norm Mamba2 mixer with a residual. At the "hybrid" depths (the layer
+pattern's "hybrid" entries, in order d = 0, 1, ...) shared block b = d % num_mem_blocks first
+reads concat(h, e), e the token embeddings, (T, 2 * hidden):
+    a = attn_d(input_layernorm(concat(h, e)))          # (T, hidden), no residual
+    t = linear_d(mlp_d(pre_ff_layernorm(a)))            # (T, hidden), no residual
+    h = h + mamba(mamba_norm(h + t))                    # the residual skips t
+attn_d and mlp_d are the block's shared weights plus depth d's own LoRA adapters: the MLP always
+has one on gate_up_proj (transformers builds it whatever `use_shared_mlp_adapter` says);
+q/k/v have one each when `use_shared_attention_adapter`. The attention has head_dim =
+2 * hidden / num_heads, softmax scale (head_dim / 2)^-1/2, RoPE over the whole head only when
+`use_mem_rope`, and no biases. The MLP is act(gate) * up with act = `hidden_act` (GELU).
+Each depth keeps its own KV cache (attention cache index d) although the weights are shared.
+
+The math follows transformers' `models/zamba2/modeling_zamba2.py` (v5), including its Mamba
+details: the conv always has a bias, the gated norm's eps is 1e-5, and the time step is
+clamped below at `time_step_min` (its prefill's dt_limit; its one-token decode step skips the
+clamp, we apply it in both so that decoding equals a full forward).
+HF names: model.embed_tokens, model.final_layernorm, lm_head (tied by default);
+model.layers.{i}.{input_layernorm, mamba.*} for Mamba layers and
+model.layers.{i}.{linear, mamba_decoder.input_layernorm, mamba_decoder.mamba.*} for hybrid
+ones. A checkpoint stores each shared block once, under the first hybrid layer that uses it:
+model.layers.{i}.shared_transformer.{input_layernorm, pre_ff_layernorm, self_attn.{q,k,v,o}_proj,
+self_attn.linear_{q,k,v}_adapter_list.{d}.{0,1}, feed_forward.{gate_up_proj, down_proj},
+feed_forward.gate_up_proj_adapter_list.{d}.{0,1}}, holding the adapters of every depth d that
+uses the block; our modules are laid out the same way, so the names map one to one.
+(transformers 5 ties the shared blocks only when it also ties the embeddings: an untied model
+saved by it holds a separate copy per depth, which this model rejects as unexpected tensors.
+Zyphra's checkpoints tie both.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from mambaserve import ops
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.activation import get_activation
+from mambaserve.layers.attention import AttentionCacheShape
+from mambaserve.layers.graph_split import split_op
+from mambaserve.layers.mamba2 import Mamba2Mixer
+from mambaserve.layers.norm import RMSNorm
+from mambaserve.layers.rotary import RotaryEmbedding
+from mambaserve.models.base import CacheSpec, HybridForCausalLM
+from mambaserve.models.bamba import rope_settings
+
+
+def zamba2_layer_kinds(config) -> list[str]:
+    """"mamba" or "hybrid" per layer, from `layers_block_type`. Raises ValueError otherwise."""
+    aliases = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}
+    names = list(getattr(config, "layers_block_type", None) or [])
+    if len(names) != config.num_hidden_layers:
+        raise ValueError(f"Zamba2 config gives {len(names)} layer types for {config.num_hidden_layers} layers")
+    unknown = sorted({n for n in names if n not in aliases})
+    if unknown:
+        raise ValueError(f"unknown Zamba2 layer types {unknown}; expected 'mamba' (or 'linear_attention') and 'hybrid'")
+    return [aliases[n] for n in names]
+
+
+def _adapters(depths: list[int], in_features: int, rank: int, out_features: int) -> nn.ModuleDict:
+    """One LoRA x -> B(A(x)) per depth, keyed by depth: names `{d}.0.weight` (A: rank x in) and
+    `{d}.1.weight` (B: out x rank), as in the checkpoint."""
+    return nn.ModuleDict({
+        str(d): nn.Sequential(nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=False))
+        for d in depths
+    })
+
+
+def _paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, *,
+                  cache_index: int, scale: float) -> torch.Tensor:
+    """Write this step's K/V into KV cache `cache_index`, then attend. q: (T, heads, head_dim),
+    k, v: (T, kv_heads, head_dim) -> (T, heads, head_dim)."""
+    k_cache, v_cache = ctx.kv_caches[cache_index]
+    ops.reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+    return ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc,
+                               scale, metadata=ctx.metadata)
+
+
+class _SharedAttention(nn.Module):
+    """x: (T, 2 * hidden) -> (T, hidden), with depth d's adapters and KV cache d."""
+
+    def __init__(self, config, depths: list[int]):
+        super().__init__()
+        H2 = 2 * config.hidden_size
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if H2 % heads or heads % kv_heads:
+            raise ValueError(f"Zamba2 attention: 2 * hidden_size ({H2}) must split into {heads} heads, "
+                             f"a multiple of num_key_value_heads ({kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, H2 // heads
+        self.scale = (self.head_dim / 2) ** -0.5
+        self.q_proj = nn.Linear(H2, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(H2, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(H2, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=False)
+        self.use_adapters = bool(config.use_shared_attention_adapter)
+        if self.use_adapters:
+            if kv_heads != heads:
+                # the adapters' outputs are 2 * hidden wide, also for k and v
+                raise ValueError("Zamba2 attention adapters need num_key_value_heads == num_attention_heads")
+            rank = config.adapter_rank
+            self.linear_q_adapter_list = _adapters(depths, H2, rank, H2)
+            self.linear_k_adapter_list = _adapters(depths, H2, rank, H2)
+            self.linear_v_adapter_list = _adapters(depths, H2, rank, H2)
+        self.rotary = None
+        if config.use_mem_rope:
+            params = getattr(config, "rope_parameters", None) or {}
+            if params.get("rope_type", "default") != "default":
+                raise ValueError(f"Zamba2 rope_type {params['rope_type']!r} is not supported (only 'default')")
+            theta, _ = rope_settings(config)
+            self.rotary = RotaryEmbedding(self.head_dim, self.head_dim, theta)
+
+    def cache_shape(self) -> AttentionCacheShape:
+        return AttentionCacheShape(self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext, depth: int) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.use_adapters:
+            key = str(depth)
+            q = q + self.linear_q_adapter_list[key](x)
+            k = k + self.linear_k_adapter_list[key](x)
+            v = v + self.linear_v_adapter_list[key](x)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.rotary is not None:
+            q, k = self.rotary(positions, q, k)
+        attend = functools.partial(_paged_attend, cache_index=depth, scale=self.scale)
+        out = split_op(attend, (q, k, v), ctx)  # (T, heads, head_dim)
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class _SharedMLP(nn.Module):
+    """down(act(g) * u), [g; u] = gate_up_proj(x) + adapter_d(x). x: (T, hidden) -> (T, hidden)."""
+
+    def __init__(self, config, depths: list[int]):
+        super().__init__()
+        H, inter, bias = config.hidden_size, config.intermediate_size, config.add_bias_linear
+        self.act = get_activation(config.hidden_act)
+        self.gate_up_proj = nn.Linear(H, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, H, bias=bias)
+        self.gate_up_proj_adapter_list = _adapters(depths, H, config.adapter_rank, 2 * inter)
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[str(depth)](x)  # (T, 2 * inter)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class _SharedTransformer(nn.Module):
+    """One shared block: (h, e) (T, hidden) each -> (T, hidden), before the depth's `linear`."""
+
+    def __init__(self, config, depths: list[int]):
+        super().__init__()
+        self.input_layernorm = RMSNorm(2 * config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = _SharedAttention(config, depths)
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.feed_forward = _SharedMLP(config, depths)
+
+    def forward(self, positions, h, e, ctx: ForwardContext, depth: int) -> torch.Tensor:
+        x = self.input_layernorm(torch.cat((h, e), dim=-1))  # (T, 2 * hidden)
+        x = self.self_attn(positions, x, ctx, depth)
+        return self.feed_forward(self.pre_ff_layernorm(x), depth)
+
+
+class _MambaLayer(nn.Module):
+    def __init__(self, config, cache_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mamba = Mamba2Mixer(
+            hidden_size=config.hidden_size,
+            num_heads=config.n_mamba_heads,
+            head_dim=int(config.mamba_expand * config.hidden_size) // config.n_mamba_heads,
+            d_state=config.mamba_d_state,
+            n_groups=config.mamba_ngroups,
+            conv_kernel=config.mamba_d_conv,
+            chunk_size=config.chunk_size,
+            intermediate_size=int(config.mamba_expand * config.hidden_size),
+            use_conv_bias=True,
+            use_bias=config.add_bias_linear,
+            eps=1e-5,
+            dt_limit=(float(config.time_step_min), float("inf")),
+            cache_index=cache_index,
+        )
+
+
+class _HybridLayer(nn.Module):
+    """A hybrid depth: the depth's `linear` and Mamba layer; owns the shared block it uses only
+    if it is the block's first depth (where the checkpoint stores it)."""
+
+    def __init__(self, config, cache_index: int, depth: int, block_id: int, shared: _SharedTransformer | None):
+        super().__init__()
+        self.depth, self.block_id = depth, block_id
+        if shared is not None:
+            self.shared_transformer = shared
+        self.linear = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+        self.mamba_decoder = _MambaLayer(config, cache_index)
+
+
+class _Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        kinds = zamba2_layer_kinds(config)
+        n_blocks = config.num_mem_blocks
+        n_depths = kinds.count("hybrid")
+        if n_blocks < 1:
+            raise ValueError(f"Zamba2 num_mem_blocks must be >= 1, got {n_blocks}")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.blocks: list[_SharedTransformer] = []  # by block id; registered under their first layer
+        layers, depth = [], 0
+        for i, kind in enumerate(kinds):
+            if kind == "mamba":
+                layers.append(_MambaLayer(config, i))
+                continue
+            b = depth % n_blocks
+            owned = None
+            if depth < n_blocks:
+                owned = _SharedTransformer(config, [d for d in range(n_depths) if d % n_blocks == b])
+                self.blocks.append(owned)
+            layers.append(_HybridLayer(config, i, depth, b, owned))
+            depth += 1
+        self.layers = nn.ModuleList(layers)
+        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.num_depths = n_depths
+
+
+class Zamba2ForCausalLM(HybridForCausalLM):
+    """forward(input_ids (T,), positions (T,), ctx) -> hidden (T, hidden).
+
+    Mamba cache index = layer index (every layer has a Mamba mixer); attention cache index =
+    hybrid depth.
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model = _Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def cache_spec(self) -> CacheSpec:
+        spec = CacheSpec()
+        for layer in self.model.layers:
+            mixer = layer.mamba_decoder.mamba if isinstance(layer, _HybridLayer) else layer.mamba
+            assert mixer.cache_index == len(spec.mamba)
+            spec.mamba.append(mixer.state_shape())
+        if self.model.blocks:
+            spec.attention = [self.model.blocks[0].self_attn.cache_shape()] * self.model.num_depths
+        return spec
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        e = self.model.embed_tokens(input_ids)  # (T, hidden)
+        h = e
+        for layer in self.model.layers:
+            if isinstance(layer, _HybridLayer):
+                t = self.model.blocks[layer.block_id](positions, h, e, ctx, layer.depth)
+                t = layer.linear(t)
+                mamba = layer.mamba_decoder
+                h = h + mamba.mamba(mamba.input_layernorm(h + t), ctx)
+            else:
+                h = h + layer.mamba(layer.input_layernorm(h), ctx)
+        return self.model.final_layernorm(h)

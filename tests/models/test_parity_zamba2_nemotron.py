@@ -1,0 +1,141 @@
+"""Zamba2 and Nemotron-H against transformers' own classes, float32, tiny random checkpoints.
+
+The tiny configs live in `tests.models.tiny.CONFIGS`, so `test_parity.py`'s packed prefill +
+decode test runs them too. Here: steps that mix prefill chunks (boundaries at chunk size +- 1,
+prompts shorter than the conv width) with decodes, then decode-only steps, must reproduce
+transformers' logits of every prefix; plus what is particular to these families: Zamba2's
+shared blocks stored once with one KV cache per depth, Nemotron-H's MoE path used under CUDA
+graph capture, checkpoint tensors that are skipped, the float32 SSM default, and the real
+configs building at full size on the meta device.
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mambaserve.loader import load_config, load_model
+from mambaserve.models import get_model_class
+from tests.conftest import rel_err
+from tests.models.test_parity import Harness
+from tests.models.tiny import checkpoint, hf_model
+
+NAMES = ["zamba2", "zamba2-gqa", "nemotron-h", "nemotron-h-moe"]
+REAL_CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "configs"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_chunked_and_decode_steps_match_transformers(name):
+    hf = hf_model(name)
+    ours = load_model(checkpoint(name), dtype="float32")
+    vocab = hf.config.vocab_size
+    seqs = [torch.randint(3, vocab, (n,)).tolist() for n in (33, 5, 18, 9)]
+    h = Harness(ours, len(seqs), 33)
+    plan = [
+        {0: seqs[0][:7], 1: seqs[1][:4], 3: seqs[3][:1]},  # 7 = chunk - 1; 1 and 4 < conv width
+        {0: seqs[0][7:16], 1: seqs[1][4:5], 2: seqs[2][:2], 3: seqs[3][1:2]},  # 9 = chunk + 1, decodes
+        {0: seqs[0][16:17], 2: seqs[2][2:17], 3: seqs[3][2:9]},
+        {0: seqs[0][17:31], 2: seqs[2][17:18]},
+        {0: seqs[0][31:32], 1: [3], 3: [4]},  # decode-only steps from here
+        {0: seqs[0][32:33]},
+    ]
+    seqs[1].append(3), seqs[3].append(4)
+    got = {i: [] for i in range(len(seqs))}
+    for chunks in plan:
+        for i, logits in h.step(chunks).items():
+            got[i].append(logits)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            ref = hf(torch.tensor([s])).logits[0]
+            assert rel_err(torch.cat(got[i]), ref) < 1e-4, f"sequence {i} (len {len(s)})"
+
+
+def test_zamba2_shared_blocks_stored_once_with_a_kv_cache_per_depth():
+    name = "zamba2"  # hybrid depths at layers 1, 3, 4; num_mem_blocks 2: blocks 0, 1, 0
+    ours = load_model(checkpoint(name), dtype="float32")
+    stored = set(load_file(str(Path(checkpoint(name)) / "model.safetensors")))
+    names = {n for n, _ in ours.named_parameters()}
+    assert names == stored - {"lm_head.weight"}
+    assert not any(n.startswith("model.layers.4.shared_transformer") for n in names)
+    assert "model.layers.1.shared_transformer.feed_forward.gate_up_proj_adapter_list.2.0.weight" in names
+    blocks = ours.model.blocks
+    assert len(blocks) == 2 and blocks[0] is ours.model.layers[1].shared_transformer
+    spec = ours.cache_spec()
+    assert len(spec.mamba) == 6 and len(spec.attention) == 3
+
+    # depths 0 and 2 share block 0's weights but not its cache: after one prefill each depth's
+    # cache holds its own keys, and nothing else of the pool was written
+    h = Harness(ours, 1, 8)
+    for k, v in h.caches.kv:
+        k.fill_(float("nan")), v.fill_(float("nan"))
+    h.step({0: torch.randint(3, 193, (8,)).tolist()})
+    slots = [h.caches.kv[d][0].flatten(0, 1)[:8] for d in range(3)]  # seq 0 owns blocks 0..1
+    assert all(not s.isnan().any() for s in slots)
+    assert not torch.allclose(slots[0], slots[2])
+    assert all(k.flatten(0, 1)[8:].isnan().all() for k, _ in h.caches.kv)
+
+
+def test_zamba2_attention_adapters_need_equal_kv_heads():
+    import transformers
+
+    cfg = transformers.Zamba2Config(hidden_size=32, num_hidden_layers=2, layers_block_type=["hybrid", "mamba"],
+                                    num_attention_heads=4, num_key_value_heads=2, use_shared_attention_adapter=True,
+                                    n_mamba_heads=4, vocab_size=64)
+    cfg.architectures = ["Zamba2ForCausalLM"]
+    with torch.device("meta"), pytest.raises(ValueError, match="num_key_value_heads"):
+        get_model_class(cfg)(cfg)
+
+
+def test_nemotron_moe_capture_path_equals_eager_path():
+    """Under CUDA graph capture the experts run densely and select rows: same values."""
+    ours = load_model(checkpoint("nemotron-h-moe"), dtype="float32")
+    moe = ours.backbone.layers[1].mixer
+    x = torch.randn(13, 16)
+    weights, ids = moe.gate(torch.randn(13, 32))
+    with torch.no_grad():
+        sparse = moe.experts._per_pair_sorted(x, ids)
+        dense = moe.experts._per_pair_dense(x, ids)
+    assert rel_err(dense, sparse) < 1e-6
+
+
+def test_nemotron_defaults_and_skipped_mtp_weights(tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(checkpoint("nemotron-h"), dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["mtp.layers.0.mixer.q_proj.weight"] = torch.zeros(4, 4)  # the unused multi-token head
+    save_file(tensors, dst / "model.safetensors")
+    model = load_model(dst, dtype="float32")
+    assert model.default_mamba_ssm_cache_dtype == "float32"
+    assert [layer.kind for layer in model.backbone.layers] == ["mamba", "attention", "mlp", "mamba", "mlp"]
+    tensors["backbone.layers.0.mixer.extra"] = torch.zeros(2)
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(ValueError, match="backbone.layers.0.mixer.extra"):
+        load_model(dst, dtype="float32")
+
+
+def test_nemotron_unknown_layer_symbol_is_a_clear_error():
+    from types import SimpleNamespace
+
+    from mambaserve.models.nemotron_h import nemotron_layer_kinds
+
+    with pytest.raises(ValueError, match="unknown layer symbols"):
+        nemotron_layer_kinds(SimpleNamespace(layers_block_type=None, hybrid_override_pattern="M*X"))
+    assert nemotron_layer_kinds(SimpleNamespace(layers_block_type=None, hybrid_override_pattern="M*-E")) == [
+        "mamba", "attention", "mlp", "moe"]
+
+
+@pytest.mark.skipif(not REAL_CONFIGS.is_dir(), reason="needs ../shared/configs")
+@pytest.mark.parametrize("file, params, n_mamba, n_attn", [
+    ("zamba2-2.7b.json", 2.66e9, 54, 9),
+    ("nemotron-h-8b.json", 8.10e9, 24, 4),
+])
+def test_real_configs_build_on_meta(file, params, n_mamba, n_attn):
+    config = load_config(REAL_CONFIGS / file)
+    with torch.device("meta"):
+        model = get_model_class(config)(config)
+    n = sum(p.numel() for p in model.parameters())
+    assert abs(n - params) / params < 0.01, f"{n / 1e9:.3f} B parameters"
+    spec = model.cache_spec()
+    assert (len(spec.mamba), len(spec.attention)) == (n_mamba, n_attn)
