@@ -110,6 +110,8 @@ class SamplingParams:
             raise bad("min_p", "must be in [0, 1]")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", "must be an integer or None")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad("seed", "must fit in 64 bits (-2**63 <= seed < 2**63)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:

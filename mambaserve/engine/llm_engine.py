@@ -29,6 +29,10 @@ from mambaserve.sampling_params import SamplingParams
 logger = logging.getLogger("mambaserve")
 
 
+class QueueFullError(RuntimeError):
+    """add_request found max_queue_len requests already waiting (the server answers 503)."""
+
+
 @dataclass
 class _Request:
     """A user request: its n sequences (one per completion) and shared prompt data."""
@@ -118,7 +122,7 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token)")
         if self.config.max_queue_len is not None and self.scheduler.num_waiting >= self.config.max_queue_len:
-            raise RuntimeError("the request queue is full")
+            raise QueueFullError("the request queue is full")
         now = time.time() if arrival_time is None else arrival_time
         seqs = []
         for i in range(params.n):
@@ -202,7 +206,7 @@ class LLMEngine:
         for j, d in enumerate(prompt_logprobs(logits, nxt, seq.sampling_params.prompt_logprobs)):
             if self.tokenizer is not None:
                 for tok, lp in d.items():
-                    lp.decoded_token = self.tokenizer.convert_ids_to_tokens(tok)
+                    lp.decoded_token = self.tokenizer.decode([tok])
             seq.prompt_logprobs[start + 1 + j] = d
 
     def _update_text_and_stop(self, req: _Request, idx: int, seq: Sequence, token: int) -> None:

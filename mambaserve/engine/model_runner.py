@@ -86,12 +86,12 @@ class ModelRunner:
     def _cache_budget(self) -> int:
         if self.device.type != "cuda":
             return self.config.cpu_cache_bytes
+        activations = self._profile_activation_bytes()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        weights = torch.cuda.memory_allocated(self.device)
-        activations = self._profile_activation_bytes()
-        return int(total * self.config.gpu_memory_utilization) - used_by_others - weights - activations
+        # everything in use now (our weights, other engines or processes) stays in use; the
+        # caches get what is left of the allowed fraction after one full-budget forward
+        return int(total * self.config.gpu_memory_utilization) - (total - free) - activations
 
     def _profile_activation_bytes(self) -> int:
         """Peak memory of one forward at the full token budget (one prefill sequence) over the weights."""
@@ -187,10 +187,13 @@ class ModelRunner:
 
     def _graphable(self, scheduled: list[ScheduledSequence]) -> bool:
         g = self.decode_graphs
-        return (g is not None and len(scheduled) <= g.max_size
-                and all(s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0
-                        and s.seq.num_computed_tokens + 1 == s.seq.num_tokens
-                        and s.seq.sampling_params.prompt_logprobs is None for s in scheduled))
+        return g is not None and len(scheduled) <= g.max_size and self._decode_only(scheduled)
+
+    @staticmethod
+    def _decode_only(scheduled: list[ScheduledSequence]) -> bool:
+        # a decode never needs prompt logits: its prompt was fully computed in earlier steps
+        return all(s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0
+                   and s.seq.num_computed_tokens + 1 == s.seq.num_tokens for s in scheduled)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
@@ -204,7 +207,11 @@ class ModelRunner:
                 [seq.block_table for seq in seqs] if self.has_attention else None)
             return StepLogits(seqs, logits, {})
         num_tokens = sum(s.num_new_tokens for s in scheduled)
-        padded = self.piecewise_graphs.padded_size(num_tokens) if self.piecewise_graphs is not None else None
+        padded = None
+        # decode-only batches that missed the full graphs run eagerly: the decode kernels take
+        # exactly one row per sequence, no padding rows
+        if self.piecewise_graphs is not None and not self._decode_only(scheduled):
+            padded = self.piecewise_graphs.padded_size(num_tokens)
         ctx, ids, positions = self.build_context(scheduled, pad_to=padded)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
