@@ -5,11 +5,15 @@ bytes the call must move through device memory (each input read once, each outpu
 and the FLOPs it must do. For each case the script prints and records:
   - gpu_us: device time of one call: the call is captured in a CUDA graph and the graph is
     replayed between CUDA events, with the L2 cache flushed (a 256 MiB write) before every
-    replay; median over the replays. Host work is not included.
+    replay; median over the replays. Host work is not included; the graph launch (a few us on
+    this machine) is.
+  - kernel_us: the sum of the call's kernel durations from the torch profiler, L2 flushed
+    before each call: no launch overheads (what the call costs inside the engine's graphs).
   - host_us: host time to issue one eager call (Python, argument checks, launches), with the
     per-step metadata already cached as the engine does for every layer after the first.
   - GB/s and the fraction of the copy bandwidth measured in the same run (a 1 GiB
-    device-to-device copy, bytes read plus written), and TFLOP/s.
+    device-to-device copy, bytes read plus written, at the start and at the end: the larger
+    is used), and TFLOP/s, from the smaller of gpu_us and kernel_us.
 
 Shapes: the Mamba2 layer of granite-4.0-tiny-preview (shared/configs/granite-4.0-tiny-preview.json:
 hidden 1536, expand 2 -> d_inner 3072, 48 heads x 64, d_state 128, 1 group, conv width 4,
@@ -126,12 +130,44 @@ def host_time_us(fn: Callable[[], object], calls: int = 30) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def kernel_time_us(fn: Callable[[], object], iters: int = 10) -> tuple[float, dict[str, float]]:
+    """Device time of one call as the sum of its kernels' durations (torch profiler), L2
+    flushed before each call; no launch or graph overheads. Also per kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            _flush_l2()
+            fn()
+        torch.cuda.synchronize()
+    per_kernel = {}
+    for evt in prof.key_averages():
+        name = evt.key
+        if "FillFunctor" in name or "Buffer" in name or name.startswith(("Memset", "Memcpy")) or evt.count == 0:
+            continue  # the L2 flush and profiler bookkeeping
+        avg = getattr(evt, "device_time", None)
+        if avg is None:
+            avg = getattr(evt, "cuda_time", 0.0)
+        if avg:
+            per_kernel[name] = avg * evt.count / iters
+    return sum(per_kernel.values()), per_kernel
+
+
 def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy of 1 GiB, counting bytes read plus bytes written."""
+    """Device-to-device copy of 1 GiB, counting bytes read plus bytes written, after half a
+    second of copies to bring the clocks up."""
     src = torch.randn(2**28, device=DEV)  # 1 GiB of float32
     dst = torch.empty_like(src)
-    us = gpu_time_us(lambda: dst.copy_(src), replays=20, flush=False)
-    return 2 * src.numel() * 4 / (us * 1e-6) / 1e9
+    t_end = time.perf_counter() + 0.5
+    while time.perf_counter() < t_end:
+        for _ in range(10):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+    us = gpu_time_us(lambda: dst.copy_(src), replays=30, flush=False)
+    del src, dst
+    return 2 * 2**30 / (us * 1e-6) / 1e9
 
 
 # --- the granite-4.0-tiny-preview Mamba2 layer ---------------------------------------------
@@ -278,35 +314,34 @@ def mamba_decode_cases() -> list[Case]:
 
 # --- offline tuning --------------------------------------------------------------------------
 
-SWEEPS = [  # (case name, module, config attribute, variants)
-    ("causal_conv1d prefill 31500", conv1d_mod, "CONV_CONFIG", [
-        {"block_t": 64, "block_d": 128, "num_warps": 4}, {"block_t": 32, "block_d": 256, "num_warps": 4},
-        {"block_t": 64, "block_d": 256, "num_warps": 8}, {"block_t": 128, "block_d": 128, "num_warps": 8},
-        {"block_t": 32, "block_d": 128, "num_warps": 4}]),
-    ("causal_conv1d_update decode 256", conv1d_mod, "UPDATE_CONFIG", [
-        {"block_d": 256, "num_warps": 4}, {"block_d": 128, "num_warps": 4}, {"block_d": 512, "num_warps": 4}]),
-    ("selective_state_update decode 256", state_update_mod, "STATE_UPDATE_CONFIG", [
-        {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 4}, {"block_p": 32, "num_warps": 4},
-        {"block_p": 32, "num_warps": 8}, {"block_p": 64, "num_warps": 8}, {"block_p": 8, "num_warps": 2}]),
-    ("selective_state_update decode 1", state_update_mod, "STATE_UPDATE_CONFIG", [
-        {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 4}, {"block_p": 4, "num_warps": 2}]),
+SWEEPS = [  # (case name, module, config attribute, variants); the first variant is the default
+    ("mamba_chunk_scan prefill 31500", ssd_mod, "SCAN_CONFIG", [
+        {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2},
+        {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 2},
+        {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 3},
+        {"block_m": 128, "block_k": 64, "block_p": 64, "num_warps": 8, "num_stages": 2},
+        {"block_m": 128, "block_k": 32, "block_p": 64, "num_warps": 8, "num_stages": 3},
+        {"block_m": 64, "block_k": 16, "block_p": 64, "num_warps": 4, "num_stages": 3}]),
+    ("mamba_chunk_scan prefill 31500", ssd_mod, "CB_FP32", [True, False]),
     ("mamba_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATE_CONFIG", [
         {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
         {"block_k": 32, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
-        {"block_k": 64, "block_p": 64, "block_n": 64, "num_warps": 4, "num_stages": 2},
         {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
-        {"block_k": 128, "block_p": 64, "block_n": 128, "num_warps": 8, "num_stages": 2}]),
-    ("mamba_chunk_scan prefill 31500", ssd_mod, "SCAN_CONFIG", [
-        {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 2},
-        {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 3},
-        {"block_m": 128, "block_k": 64, "block_p": 64, "num_warps": 8, "num_stages": 2},
-        {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2},
-        {"block_m": 128, "block_k": 128, "block_p": 64, "num_warps": 8, "num_stages": 2},
-        {"block_m": 64, "block_k": 64, "block_p": 32, "num_warps": 4, "num_stages": 2}]),
-    ("mamba_chunk_scan prefill 31500", ssd_mod, "PASSING_CONFIG", [
-        {"block": 512, "num_warps": 4}, {"block": 256, "num_warps": 2}, {"block": 1024, "num_warps": 4}]),
+        {"block_k": 64, "block_p": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}]),
     ("mamba_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATES_FP32", [True, False]),
+    ("causal_conv1d prefill 31500", conv1d_mod, "CONV_CONFIG", [
+        {"block_t": 32, "block_d": 128, "num_warps": 4}, {"block_t": 64, "block_d": 128, "num_warps": 4},
+        {"block_t": 16, "block_d": 256, "num_warps": 4}, {"block_t": 16, "block_d": 128, "num_warps": 2},
+        {"block_t": 64, "block_d": 256, "num_warps": 8}, {"block_t": 32, "block_d": 256, "num_warps": 8}]),
+    ("selective_state_update decode 256", state_update_mod, "STATE_UPDATE_CONFIG", [
+        {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 2}, {"block_p": 4, "num_warps": 4},
+        {"block_p": 32, "num_warps": 4}]),
+    ("causal_conv1d_update decode 256", conv1d_mod, "UPDATE_CONFIG", [
+        {"block_d": 256, "num_warps": 4}, {"block_d": 512, "num_warps": 4}, {"block_d": 1024, "num_warps": 8}]),
 ]
+# measured only, never chosen automatically: storing chunk states in x's dtype rounds every
+# chunk's contribution to the final state
+MEASURE_ONLY = {"CHUNK_STATES_FP32"}
 
 
 def _fresh_case(name: str) -> Case:
@@ -317,13 +352,24 @@ def _fresh_case(name: str) -> Case:
     raise KeyError(name)
 
 
-def sweep(copy_gbs: float, rows: list, save: Callable[[], None]) -> None:
+def sweep(copy_gbs: float, rows: list, save: Callable[[], None], budget_s: float) -> dict:
     """Time config variants (appended to rows, saved after each); each variant's first output
-    (fresh state) is checked against the first variant's."""
+    (fresh state) is checked against the first variant's. Returns the fastest correct variant
+    of each config, {(module, attr): variant}. Stops starting variants after budget_s."""
+    best = {}
+    t_end = time.perf_counter() + budget_s
+    # a config swept on several cases is chosen on the first (later ones are for information);
+    # CHUNK_STATES_FP32 is only measured: storing chunk states in bf16 trades accuracy for time
+    chooses = {}
+    for case_name, module, attr, _ in SWEEPS:
+        if attr not in MEASURE_ONLY:
+            chooses.setdefault((module, attr), case_name)
     for case_name, module, attr, variants in SWEEPS:
         original = getattr(module, attr)
         base_out = None
         for variant in variants:
+            if time.perf_counter() > t_end:
+                break
             setattr(module, attr, variant)
             row = {"case": case_name, "config": f"{module.__name__}.{attr}", "variant": variant}
             try:
@@ -341,35 +387,28 @@ def sweep(copy_gbs: float, rows: list, save: Callable[[], None]) -> None:
                 row["error"] = repr(e)[:300]
             rows.append(row)
             save()
+            ok = "gpu_us" in row and row["rel_err_vs_first"] < 5e-3 and chooses.get((module, attr)) == case_name
+            if ok and ((module, attr) not in best or row["gpu_us"] < best[(module, attr)][1]):
+                best[(module, attr)] = (variant, row["gpu_us"])
             print(f"  sweep {case_name:36s} {attr:20s} {str(variant):90s} "
                   f"{row.get('gpu_us', float('nan')):9.1f} us  err {row.get('rel_err_vs_first', float('nan')):.1e}"
                   + (f"  {row['error']}" if "error" in row else ""), flush=True)
         setattr(module, attr, original)
         torch.cuda.empty_cache()
+    return {key: v for key, (v, _) in best.items()}
 
 
-def ssd_breakdown(case: Case) -> dict[str, float]:
-    """Per-kernel device time of one call (torch profiler, eager, no L2 flush)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    case.fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            case.fn()
-        torch.cuda.synchronize()
-    out = {}
-    for evt in prof.key_averages():
-        if "kernel" in evt.key:
-            out[evt.key] = getattr(evt, "device_time", getattr(evt, "cuda_time", 0.0))
-    return out
+def current_configs() -> dict:
+    return {f"{m.__name__}.{a}": getattr(m, a) for m, a in dict.fromkeys((m, a) for _, m, a, _ in SWEEPS)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--only", default=None, help="run only the cases whose name contains this")
-    parser.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
+    parser.add_argument("--sweep", action="store_true",
+                        help="first time alternative launch configs, then run the cases with the fastest")
+    parser.add_argument("--sweep-budget-s", type=float, default=120.0)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
@@ -380,7 +419,11 @@ def main() -> None:
     import triton
 
     result = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-              "timing": "CUDA graph replay between events, L2 flushed before each, median", "cases": []}
+              "timing": {"gpu_us": "CUDA graph replay of one call between events, L2 flushed before each, median",
+                         "kernel_us": "sum of the call's kernel durations (torch profiler), L2 flushed before each",
+                         "host_us": "host time to issue one eager call, per-step metadata cached",
+                         "GBps, frac_copy_bw, TFLOPs": "from min(gpu_us, kernel_us)"},
+              "cases": []}
     copy_gbs = copy_bandwidth_gbs()
     result["copy_bandwidth_GBps"] = copy_gbs
     print(f"{gpu}: device-to-device copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
@@ -390,8 +433,28 @@ def main() -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
 
-    header = f"{'case':44s} {'gpu us':>9s} {'host us':>8s} {'MB':>8s} {'GB/s':>7s} {'%bw':>5s} {'TFLOP/s':>8s} {'target us':>9s} {'vLLM us':>8s}"
-    lines = []
+    if args.sweep:
+        result["sweep"] = []
+        chosen = sweep(copy_gbs, result["sweep"], save, args.sweep_budget_s)
+        for (module, attr), variant in chosen.items():
+            setattr(module, attr, variant)
+    result["configs"] = current_configs()
+    print("configs:", json.dumps(result["configs"]), flush=True)
+
+    def fmt(v, f):
+        return (f % v) if isinstance(v, (int, float)) and not math.isnan(v) else "-"
+
+    def line(row, bw):
+        frac = lambda us: 100 * row["bytes"] / (us * 1e-6) / 1e9 / bw if isinstance(us, float) and us > 0 else None
+        return (f"{row['name']:40s} {fmt(row.get('gpu_us'), '%8.1f'):>8s} {fmt(row.get('kernel_us'), '%8.1f'):>8s} "
+                f"{fmt(row.get('host_us'), '%7.1f'):>7s} {row['bytes'] / 1e6:8.1f} "
+                f"{fmt(frac(row.get('gpu_us')), '%4.0f'):>4s} {fmt(frac(row.get('kernel_us')), '%4.0f'):>4s} "
+                f"{fmt(row.get('TFLOPs'), '%6.1f'):>6s} {fmt(row.get('target_us'), '%7.1f'):>7s} "
+                f"{fmt(row.get('baseline_us'), '%7.1f'):>7s}" + (f"  ERROR {row['error'][:200]}" if "error" in row else ""))
+
+    header = (f"{'case':40s} {'graph us':>8s} {'kern us':>8s} {'host us':>7s} {'MB':>8s} {'%bw':>4s} {'%bwk':>4s} "
+              f"{'TFLOP/s':>6s} {'target':>7s} {'vLLM':>7s}")
+    print(header, flush=True)
     for builder in CASE_BUILDERS:
         for case in builder():
             if args.only and args.only not in case.name:
@@ -400,36 +463,37 @@ def main() -> None:
                    "target_us": case.target_us, "baseline_us": case.baseline_us, "note": case.note}
             try:
                 row["gpu_us"] = gpu_time_us(case.fn)
+                row["kernel_us"], row["kernels_us"] = kernel_time_us(case.fn)
                 row["host_us"] = host_time_us(case.fn)
-                row["GBps"] = case.bytes / (row["gpu_us"] * 1e-6) / 1e9
+                device_us = min(row["gpu_us"], row["kernel_us"] or row["gpu_us"])
+                row["GBps"] = case.bytes / (device_us * 1e-6) / 1e9
                 row["frac_copy_bw"] = row["GBps"] / copy_gbs
-                row["TFLOPs"] = case.flops / (row["gpu_us"] * 1e-6) / 1e12
-                if case.group == "ssd" and "31500" in case.name:
-                    row["kernels_us_profiler"] = ssd_breakdown(case)
+                row["TFLOPs"] = case.flops / (device_us * 1e-6) / 1e12
             except Exception as e:
                 row["error"] = repr(e)[:500]
             result["cases"].append(row)
-            fmt = lambda v, f: (f % v) if isinstance(v, (int, float)) and v is not None and not math.isnan(v) else "-"
-            line = (f"{case.name:44s} {fmt(row.get('gpu_us'), '%9.1f'):>9s} {fmt(row.get('host_us'), '%8.1f'):>8s} "
-                    f"{case.bytes / 1e6:8.1f} {fmt(row.get('GBps'), '%7.0f'):>7s} "
-                    f"{fmt(100 * row['frac_copy_bw'] if 'frac_copy_bw' in row else None, '%5.0f'):>5s} "
-                    f"{fmt(row.get('TFLOPs'), '%8.1f'):>8s} {fmt(case.target_us, '%9.1f'):>9s} "
-                    f"{fmt(case.baseline_us, '%8.1f'):>8s}" + (f"  ERROR {row['error']}" if "error" in row else ""))
-            lines.append(line)
-            print(line, flush=True)
-            if "kernels_us_profiler" in row:
-                for k, v in row["kernels_us_profiler"].items():
+            print(line(row, copy_gbs), flush=True)
+            if len(row.get("kernels_us", {})) > 1:
+                for k, v in row["kernels_us"].items():
                     print(f"    {k[:60]:60s} {v:9.1f} us", flush=True)
             del case
             save()
         torch.cuda.empty_cache()
-    if args.sweep:
-        result["sweep"] = []
-        sweep(copy_gbs, result["sweep"], save)
+    copy_end = copy_bandwidth_gbs()
+    result["copy_bandwidth_GBps_end"] = copy_end
+    bw = max(copy_gbs, copy_end)
+    result["copy_bandwidth_GBps_used"] = bw
+    for row in result["cases"]:
+        if "GBps" in row:
+            row["frac_copy_bw"] = row["GBps"] / bw
+    save()
     print()
-    print(f"{gpu}, copy bandwidth {copy_gbs:.0f} GB/s")
+    print(f"{gpu}: copy bandwidth {copy_gbs:.0f} GB/s at the start, {copy_end:.0f} at the end; %bw uses {bw:.0f}")
+    print("graph us: CUDA-graph replay with L2 flushed (includes the graph launch); kern us: sum of kernel")
+    print("durations from the profiler, L2 flushed; host us: host time to issue one eager call")
     print(header)
-    print("\n".join(lines))
+    for row in result["cases"]:
+        print(line(row, bw))
     print(f"wrote {path}")
 
 

@@ -23,7 +23,7 @@ from mambaserve.ops.varlen import conv_token_blocks
 
 # Fixed launch configs (tuned offline with benchmarks/kernels.py; never autotuned, since the
 # kernels write conv states in place).
-CONV_CONFIG = {"block_t": 64, "block_d": 128, "num_warps": 4}
+CONV_CONFIG = {"block_t": 32, "block_d": 128, "num_warps": 4}
 UPDATE_CONFIG = {"block_d": 256, "num_warps": 4}
 
 
@@ -36,8 +36,12 @@ def _causal_conv1d_varlen_kernel(
     WIDTH: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    # one flat grid, feature blocks fastest: neighbouring programs read neighbouring columns
+    # of the same rows (whole rows of x per group of programs)
+    pid = tl.program_id(0)
+    num_d_blocks = tl.cdiv(dim, BLOCK_D)
+    pid_t = pid // num_d_blocks
+    pid_d = pid % num_d_blocks
     seq = tl.load(block_seq_ptr + pid_t)
     p0 = tl.load(block_start_ptr + pid_t)  # first position of this block inside its sequence
     start = tl.load(qsl_ptr + seq).to(tl.int64)
@@ -78,18 +82,18 @@ def _causal_conv1d_varlen_kernel(
     # writes the new one: row r of the new state is element seqlen + r of concat(old, x).
     if p0 == 0:
         if slot >= 0:
-            r = tl.arange(0, ROWS)
-            src = seqlen + r - (WIDTH - 1)
-            r_mask = r < WIDTH - 1
-            mx = r_mask & (src >= 0)
-            ms = r_mask & (src < 0) & (src + (WIDTH - 1) < n_state)
-            new = tl.load(x_ptr + (start + src)[:, None] * stride_x_t + d[None, :],
-                          mask=mx[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-            new += tl.load(state_base + (src + (WIDTH - 1))[:, None] * stride_s_row + d[None, :],
-                           mask=ms[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+            row = tl.arange(0, ROWS)
+            row_src = seqlen + row - (WIDTH - 1)  # input position feeding new state row `row`
+            row_mask = row < WIDTH - 1
+            from_x = row_mask & (row_src >= 0)
+            from_state = row_mask & (row_src < 0) & (row_src + (WIDTH - 1) < n_state)
+            new = tl.load(x_ptr + (start + row_src)[:, None] * stride_x_t + d[None, :],
+                          mask=from_x[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+            new += tl.load(state_base + (row_src + (WIDTH - 1))[:, None] * stride_s_row + d[None, :],
+                           mask=from_state[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
             tl.debug_barrier()  # every read of the old state happens before the first write
-            tl.store(state_base + r[:, None] * stride_s_row + d[None, :],
-                     new.to(states_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+            tl.store(state_base + row[:, None] * stride_s_row + d[None, :],
+                     new.to(states_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -100,8 +104,8 @@ def _causal_conv1d_update_kernel(
     WIDTH: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    pid_d = tl.program_id(0)
+    b = tl.program_id(1)
     slot = tl.load(state_idx_ptr + b).to(tl.int64)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = d < dim
@@ -168,7 +172,7 @@ def causal_conv1d_triton(
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     if blocks.num_blocks == 0 or dim == 0:
         return out
-    grid = (blocks.num_blocks, triton.cdiv(dim, cfg["block_d"]))
+    grid = (blocks.num_blocks * triton.cdiv(dim, cfg["block_d"]),)
     _causal_conv1d_varlen_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_states, out,
         query_start_loc, state_indices, has_initial_state, blocks.block_seq, blocks.block_start,
@@ -206,7 +210,7 @@ def causal_conv1d_update_triton(
     if batch == 0 or dim == 0:
         return out
     cfg = UPDATE_CONFIG
-    grid = (batch, triton.cdiv(dim, cfg["block_d"]))
+    grid = (triton.cdiv(dim, cfg["block_d"]), batch)
     _causal_conv1d_update_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_states, out, state_indices,
         dim,

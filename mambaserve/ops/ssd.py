@@ -7,9 +7,8 @@ host metadata, `mambaserve.ops.varlen.ssd_chunks`). Four launches:
 1. `_chunk_state_kernel`, grid (chunks, heads, p/n blocks): dt' = clamp(softplus(dt +
    dt_bias), dt_limit), the in-chunk cumulative sum of dt' A (stored for steps 3 and 4), and
    the chunk's own contribution to the state at its end,
-   s_c = sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T (float32). The chunk is walked in blocks of
-   rows with the running sum rescaled as it goes (as in online softmax), so no block needs the
-   chunk total in advance.
+   s_c = sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T (float32), in two passes over the chunk's
+   rows: the first finds cs_end, the second accumulates s_c in the matrix unit.
 2. `_chunk_cb_kernel`, grid (chunks x groups, row blocks, column blocks): C B^T of each chunk
    and group, lower block triangle only (shared by all heads of the group).
 3. `_state_passing_kernel`, grid (sequences, heads, state blocks): walks each sequence's chunks
@@ -17,7 +16,8 @@ host metadata, `mambaserve.ops.varlen.ssd_chunks`). Four launches:
    state entering every chunk (in x's dtype, for step 4) and writes the final state to the pool
    (float32 accumulation; the pool may be float32, bfloat16 or float16).
 4. `_chunk_scan_kernel`, grid (chunks x row blocks, heads): y = exp(cs) C h_in (inter-chunk)
-   + (C B^T * exp(cs_i - cs_j) * dt'_j, causal) x (intra-chunk), + D x, times silu(z).
+   + (C B^T * exp(cs_i - cs_j) * dt'_j, causal) x (intra-chunk), + D x, times silu(z). Only
+   the diagonal blocks take pairwise exponentials; the rows before a block share one factor.
 
 A state index of -1 marks padding: that sequence starts from a zero state and no slot is read or
 written. Semantics: `mambaserve.ops.reference.mamba_chunk_scan`. The kernels write the state
@@ -43,7 +43,10 @@ PASSING_CONFIG = {"block": 512, "num_warps": 4}
 # Per-chunk state contributions are kept in float32 (as mamba_ssm does); False stores them in
 # x's dtype, halving the bytes between steps 1 and 3 at the cost of one rounding per chunk.
 CHUNK_STATES_FP32 = True
-SCAN_CONFIG = {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 2}
+# C B^T is stored in float32; False stores it in x's dtype (it only feeds a matrix product
+# whose operand is rounded to x's dtype anyway), halving the kernel's largest re-read.
+CB_FP32 = True
+SCAN_CONFIG = {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
@@ -58,10 +61,14 @@ def _chunk_state_kernel(
     OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    pid_pn = tl.program_id(2)
+    # flat grid, heads (and p/n blocks) fastest: neighbouring programs read neighbouring
+    # columns of the same token rows, so DRAM sees whole rows rather than 128-byte pieces
     num_n_blocks = tl.cdiv(dstate, BLOCK_N)
+    num_pn = tl.cdiv(headdim, BLOCK_P) * num_n_blocks
+    pid = tl.program_id(0)
+    c = pid // (nheads * num_pn)
+    h = (pid // num_pn) % nheads
+    pid_pn = pid % num_pn
     pid_p = pid_pn // num_n_blocks
     pid_n = pid_pn % num_n_blocks
     g = h // heads_per_group
@@ -80,31 +87,43 @@ def _chunk_state_kernel(
     # one program per (chunk, head) stores dt' and the cumsum (as a bound: rows < k_write)
     k_write = (pid_pn == 0).to(tl.int32) * chunk_len
 
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    cs_carry = A * 0.0  # cumsum of dt' A up to the end of the previous block of rows
     t_base = h.to(tl.int64) * num_tokens + start  # row of this chunk in the (nheads, tokens) buffers
+    # pass 1: dt' and the in-chunk cumsum cs of dt' A (stored for the scan), and the chunk total
+    cs_carry = A * 0.0
+    for k0 in range(0, chunk_len, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < chunk_len
+        dt = tl.load(dt_ptr + (start + k) * stride_dt_t + h * stride_dt_h, mask=k_mask, other=0.0).to(tl.float32)
+        dt = tl.where(k_mask, _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
+        dA = dt * A
+        cs = cs_carry + tl.cumsum(dA, axis=0)
+        tl.store(dt_out_ptr + t_base + k, dt, mask=k < k_write)
+        tl.store(cs_out_ptr + t_base + k, cs, mask=k < k_write)
+        cs_carry = cs_carry + tl.sum(dA, axis=0)
+    total = cs_carry
+
+    # pass 2: s_c = sum_l exp(total - cs_l) dt'_l x_l B_l^T, accumulated in place by tl.dot
+    # (dt' and cs are recomputed bit for bit: cheaper than a barrier and a reload)
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    cs_carry = A * 0.0
     for k0 in range(0, chunk_len, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < chunk_len
         rows = start + k
         dt = tl.load(dt_ptr + rows * stride_dt_t + h * stride_dt_h, mask=k_mask, other=0.0).to(tl.float32)
-        dt = _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
-        dt = tl.where(k_mask, dt, 0.0)
+        dt = tl.where(k_mask, _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
         dA = dt * A
-        block_total = tl.sum(dA, axis=0)
         cs = cs_carry + tl.cumsum(dA, axis=0)
-        tl.store(dt_out_ptr + t_base + k, dt, mask=k < k_write)
-        tl.store(cs_out_ptr + t_base + k, cs, mask=k < k_write)
-        cs_carry = cs_carry + block_total
-        weight = tl.exp(cs_carry - cs) * dt  # decay from row to the end of this block, times dt'
+        cs_carry = cs_carry + tl.sum(dA, axis=0)
+        weight = tl.exp(total - cs) * dt  # decay from the row to the end of the chunk, times dt'
         xT = tl.load(x_ptr + rows[None, :] * stride_x_t + h * stride_x_h + p[:, None] * stride_x_p,
                      mask=p_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         xT = (xT * weight[None, :]).to(OPERAND_DTYPE).to(DOT_DTYPE)
         Bk = tl.load(B_ptr + rows[:, None] * stride_B_t + g * stride_B_g + n[None, :] * stride_B_n,
                      mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
-        acc = acc * tl.exp(block_total) + tl.dot(xT, Bk, input_precision=DOT_PRECISION)
+        acc = tl.dot(xT, Bk, acc, input_precision=DOT_PRECISION)
     if pid_pn == 0:
-        tl.store(chunk_dA_ptr + c.to(tl.int64) * nheads + h, cs_carry)
+        tl.store(chunk_dA_ptr + c.to(tl.int64) * nheads + h, total)
     s_ptrs = (states_ptr + (c.to(tl.int64) * nheads + h) * headdim * dstate
               + p[:, None] * dstate + n[None, :])
     tl.store(s_ptrs, acc.to(states_ptr.dtype.element_ty), mask=p_mask[:, None] & n_mask[None, :])
@@ -145,7 +164,7 @@ def _chunk_cb_kernel(
                           mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
             acc += tl.dot(Cm, BkT, input_precision=DOT_PRECISION)
         base = cb_ptr + pid_cg.to(tl.int64) * chunk_size * chunk_size
-        tl.store(base + m[:, None] * chunk_size + k[None, :], acc,
+        tl.store(base + m[:, None] * chunk_size + k[None, :], acc.to(cb_ptr.dtype.element_ty),
                  mask=(m < chunk_size)[:, None] & (k < chunk_size)[None, :])
 
 
@@ -156,9 +175,9 @@ def _state_passing_kernel(
     stride_pool_slot, stride_pool_h, stride_pool_p, stride_pool_n,
     BLOCK: tl.constexpr,
 ):
-    seq = tl.program_id(0)
+    e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat (p, n) index inside the head
     h = tl.program_id(1)
-    e = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)  # flat (p, n) index inside the head
+    seq = tl.program_id(2)
     e_mask = e < state_size
     slot = tl.load(state_idx_ptr + seq).to(tl.int64)
     use_init = (slot >= 0) & (tl.load(has_init_ptr + seq) != 0)
@@ -218,11 +237,14 @@ def _chunk_scan_kernel(
     OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_cm = tl.program_id(0)
-    pid_hp = tl.program_id(1)
+    # flat grid, heads fastest: the programs of one row block read the same C B^T and C tiles
+    # (hot in L2) and neighbouring columns of the same x, z and y rows
+    num_p_blocks = tl.cdiv(headdim, BLOCK_P)
+    pid = tl.program_id(0)
+    pid_hp = pid % (nheads * num_p_blocks)
+    pid_cm = pid // (nheads * num_p_blocks)
     c = pid_cm // num_m_blocks
     m0 = (pid_cm % num_m_blocks) * BLOCK_M
-    num_p_blocks = tl.cdiv(headdim, BLOCK_P)
     h = pid_hp // num_p_blocks
     pid_p = pid_hp % num_p_blocks
     g = h // heads_per_group
@@ -241,18 +263,36 @@ def _chunk_scan_kernel(
     # rows past the chunk get cs = -inf: every decay into them is exactly 0 (no inf * 0)
     cs_m = tl.load(cs_ptr + t_base + m, mask=m_mask, other=float("-inf"))
 
-    # inter-chunk: the state entering the chunk, read out by C and decayed to each row
+    # The decay from row k to row m factors through c_ref, the cumsum at the row just before
+    # this block (0 at the chunk start): exp(cs_m - cs_k) = exp(cs_m - c_ref) exp(c_ref - cs_k),
+    # both factors <= 1 for a decaying state. The entering state and every row before the block
+    # are accumulated relative to c_ref and rescaled once: no pairwise exponentials there.
+    c_ref = tl.load(cs_ptr + t_base + m0 - 1, mask=m0 > 0, other=0.0)
+
+    # inter-chunk: the state entering the chunk, read out by C
     Cm = tl.load(C_ptr + (start + m)[:, None] * stride_C_t + g * stride_C_g + n[None, :] * stride_C_n,
                  mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
     hT = tl.load(state_in_ptr + (c.to(tl.int64) * nheads + h) * headdim * dstate
                  + p[None, :] * dstate + n[:, None],
                  mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
-    acc = tl.dot(Cm, hT, input_precision=DOT_PRECISION) * tl.exp(cs_m)[:, None]
+    acc = tl.dot(Cm, hT, input_precision=DOT_PRECISION) * tl.exp(c_ref)
 
-    # intra-chunk: causal (C B^T * decay * dt') x over the rows up to the diagonal
+    # intra-chunk, rows wholly before this block (k < m0 <= chunk_len: no row masks needed)
     cb_base = cb_ptr + (c.to(tl.int64) * ngroups + g) * chunk_size * chunk_size
+    for k0 in range(0, m0, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        cb = tl.load(cb_base + m[:, None] * chunk_size + k[None, :], mask=m_mask[:, None], other=0.0)
+        cs_k = tl.load(cs_ptr + t_base + k)
+        dt_k = tl.load(dt_ptr + t_base + k)
+        w = (cb.to(tl.float32) * (tl.exp(c_ref - cs_k) * dt_k)[None, :]).to(OPERAND_DTYPE).to(DOT_DTYPE)
+        xk = tl.load(x_ptr + (start + k)[:, None] * stride_x_t + h * stride_x_h + p[None, :] * stride_x_p,
+                     mask=p_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+        acc = tl.dot(w, xk, acc, input_precision=DOT_PRECISION)
+    acc = acc * tl.exp(cs_m - c_ref)[:, None]
+
+    # intra-chunk, the diagonal: causal mask and pairwise decay
     k_end = tl.minimum(m0 + BLOCK_M, chunk_len)
-    for k0 in range(0, k_end, BLOCK_K):
+    for k0 in range(m0, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         causal = (m[:, None] >= k[None, :]) & k_mask[None, :]
@@ -260,19 +300,11 @@ def _chunk_scan_kernel(
         cb = tl.load(cb_base + m[:, None] * chunk_size + k[None, :], mask=causal & m_mask[:, None], other=0.0)
         cs_k = tl.load(cs_ptr + t_base + k, mask=k_mask, other=0.0)
         dt_k = tl.load(dt_ptr + t_base + k, mask=k_mask, other=0.0)
-        if k0 + BLOCK_K <= m0:
-            # a block wholly below the diagonal: the decay factors through the block's last
-            # row c0, exp(cs_m - cs_k) = exp(cs_m - cs_c0) exp(cs_c0 - cs_k), both factors
-            # <= 1 for a decaying state: BLOCK_M + BLOCK_K exponentials, not their product
-            cs_c0 = tl.load(cs_ptr + t_base + k0 + BLOCK_K - 1)
-            w = cb * tl.exp(cs_m - cs_c0)[:, None] * (tl.exp(cs_c0 - cs_k) * dt_k)[None, :]
-        else:
-            decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
-            w = cb * decay * dt_k[None, :]
-        w = w.to(OPERAND_DTYPE).to(DOT_DTYPE)
+        decay = tl.exp(tl.where(causal, cs_m[:, None] - cs_k[None, :], float("-inf")))
+        w = (cb.to(tl.float32) * decay * dt_k[None, :]).to(OPERAND_DTYPE).to(DOT_DTYPE)
         xk = tl.load(x_ptr + (start + k)[:, None] * stride_x_t + h * stride_x_h + p[None, :] * stride_x_p,
                      mask=k_mask[:, None] & p_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
-        acc += tl.dot(w, xk, input_precision=DOT_PRECISION)
+        acc = tl.dot(w, xk, acc, input_precision=DOT_PRECISION)
 
     out_mask = m_mask[:, None] & p_mask[None, :]
     if HAS_D:
@@ -353,12 +385,13 @@ def mamba_chunk_scan_triton(
     states_dtype = torch.float32 if CHUNK_STATES_FP32 else x.dtype
     states = torch.empty((nc, nheads, headdim, dstate), dtype=states_dtype, device=dev)
     state_in = torch.empty((nc, nheads, headdim, dstate), dtype=x.dtype, device=dev)
-    cb = torch.empty((nc, ngroups, chunk_size, chunk_size), dtype=torch.float32, device=dev)
+    cb_dtype = torch.float32 if CB_FP32 else x.dtype
+    cb = torch.empty((nc, ngroups, chunk_size, chunk_size), dtype=cb_dtype, device=dev)
 
     if nc > 0:
         cfg = CHUNK_STATE_CONFIG
         bk, bp, bn = _block(cfg["block_k"], chunk_size), _block(cfg["block_p"], headdim), _block(cfg["block_n"], dstate)
-        grid = (nc, nheads, triton.cdiv(headdim, bp) * triton.cdiv(dstate, bn))
+        grid = (nc * nheads * triton.cdiv(headdim, bp) * triton.cdiv(dstate, bn),)
         _chunk_state_kernel[grid](
             x, dt, A, dt_bias if dt_bias is not None else A, B, chunks.chunk_start, chunks.chunk_end,
             dt_proc, cs, chunk_dA, states,
@@ -381,7 +414,7 @@ def mamba_chunk_scan_triton(
     cfg = PASSING_CONFIG
     state_size = headdim * dstate
     block = min(cfg["block"], triton.next_power_of_2(state_size))
-    grid = (batch, nheads, triton.cdiv(state_size, block))
+    grid = (triton.cdiv(state_size, block), nheads, batch)
     _state_passing_kernel[grid](
         states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
         nheads, state_size, dstate, *ssm_states.stride(),
@@ -390,10 +423,11 @@ def mamba_chunk_scan_triton(
 
     if nc > 0:
         cfg = SCAN_CONFIG
-        bm, bk, bp = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size), _block(cfg["block_p"], headdim)
+        bm, bp = _block(cfg["block_m"], chunk_size), _block(cfg["block_p"], headdim)
+        bk = min(bm, _block(cfg["block_k"], chunk_size))  # k blocks must tile each row block
         num_m_blocks = triton.cdiv(chunk_size, bm)
         zz = z if z is not None else x
-        grid = (nc * num_m_blocks, nheads * triton.cdiv(headdim, bp))
+        grid = (nc * num_m_blocks * nheads * triton.cdiv(headdim, bp),)
         _chunk_scan_kernel[grid](
             x, zz, C, D if D is not None else A, cb, dt_proc, cs, state_in, y,
             chunks.chunk_start, chunks.chunk_end,

@@ -59,9 +59,9 @@ def _selective_state_update_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_DT_LIMIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    pid_p = tl.program_id(0)  # fastest: neighbouring programs stream neighbouring state rows
     h = tl.program_id(1)
-    pid_p = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)
     g = h // heads_per_group
     slot = tl.load(state_idx_ptr + b).to(tl.int64)
 
@@ -72,7 +72,9 @@ def _selective_state_update_kernel(
     tile_mask = p_mask[:, None] & n_mask[None, :]
     s_ptrs = state_ptr + slot * stride_s_slot + h * stride_s_h + p[:, None] * stride_s_p + n[None, :] * stride_s_n
     p_read = (slot >= 0).to(tl.int32) * headdim  # padding reads nothing (a zero state)
-    state = tl.load(s_ptrs, mask=(p < p_read)[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+    # each state byte is touched once: keep it from evicting the small shared operands
+    state = tl.load(s_ptrs, mask=(p < p_read)[:, None] & n_mask[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
 
     x = tl.load(x_ptr + b * stride_x_b + h * stride_x_h + p * stride_x_p, mask=p_mask, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + b * stride_dt_b + h * stride_dt_h).to(tl.float32)
@@ -94,7 +96,7 @@ def _selective_state_update_kernel(
     tl.store(y_ptr + b * stride_y_b + h * stride_y_h + p * stride_y_p, y.to(y_ptr.dtype.element_ty), mask=p_mask)
     if slot >= 0:
         tl.debug_barrier()  # every thread has read its part of the tile before any write
-        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_mask)
+        tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_mask, eviction_policy="evict_first")
 
 
 def dt_limit_args(dt_limit: tuple[float, float]) -> tuple[bool, float, float]:
@@ -135,7 +137,7 @@ def selective_state_update_triton(
     cfg = STATE_UPDATE_CONFIG
     block_p = min(cfg["block_p"], max(16, triton.next_power_of_2(headdim)))
     zz = z if z is not None else x
-    grid = (batch, nheads, triton.cdiv(headdim, block_p))
+    grid = (triton.cdiv(headdim, block_p), nheads, batch)
     _selective_state_update_kernel[grid](
         ssm_states, x, dt, A, B, C, D if D is not None else A, zz,
         dt_bias if dt_bias is not None else A, y, state_indices,

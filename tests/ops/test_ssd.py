@@ -96,11 +96,15 @@ def test_mamba_chunk_scan_options(device, dtype, pool_dtype, poison_empty):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mamba_chunk_scan_many_blocks_per_chunk(device, dtype, poison_empty, monkeypatch):
+@pytest.mark.parametrize("dtype,fp32_intermediates", [(torch.float32, True), (torch.bfloat16, True),
+                                                      (torch.bfloat16, False)])
+def test_mamba_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates, poison_empty, monkeypatch):
     """Blocks smaller than the chunk (as at chunk 256 on the GPU): several row blocks per chunk
     in every kernel, blocks wholly below the diagonal, dstate split in the C B^T kernel and
-    several state blocks per head in the state passing."""
+    several state blocks per head in the state passing; C B^T and the chunk states stored in
+    float32 or in x's dtype."""
+    monkeypatch.setattr(ssd, "CB_FP32", fp32_intermediates)
+    monkeypatch.setattr(ssd, "CHUNK_STATES_FP32", fp32_intermediates)
     monkeypatch.setattr(ssd, "CHUNK_STATE_CONFIG", dict(ssd.CHUNK_STATE_CONFIG, block_k=16, block_n=16))
     monkeypatch.setattr(ssd, "CB_CONFIG", dict(ssd.CB_CONFIG, block_m=16, block_k=16, block_n=16))
     monkeypatch.setattr(ssd, "SCAN_CONFIG", dict(ssd.SCAN_CONFIG, block_m=16, block_k=16, block_p=16))
