@@ -40,6 +40,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.resolved_device())
         t0 = time.perf_counter()
+        self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = load_model(config.model, dtype=config.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed)
         self.dtype = self.model.lm_head.weight.dtype
@@ -89,9 +90,11 @@ class ModelRunner:
         activations = self._profile_activation_bytes()
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
-        # everything in use now (our weights, other engines or processes) stays in use; the
-        # caches get what is left of the allowed fraction after one full-budget forward
-        return int(total * self.config.gpu_memory_utilization) - (total - free) - activations
+        weights = torch.cuda.memory_allocated(self.device) - self._allocated_before
+        # gpu_memory_utilization is this engine's share of the GPU (as in vLLM): weights, one
+        # full-budget forward and the caches must fit in it, and in what is actually free
+        share = int(total * self.config.gpu_memory_utilization) - weights - activations
+        return min(share, free - activations - (512 << 20))
 
     def _profile_activation_bytes(self) -> int:
         """Peak memory of one forward at the full token budget (one prefill sequence) over the weights."""

@@ -59,7 +59,7 @@ def test_gpu_greedy_equals_cpu_float32(name):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     kw = dict(skip_tokenizer_init=True, dtype="float32")
     cpu = _gen(LLM(checkpoint(name), device="cpu", **kw), prompts_for(name), params)
-    gpu = _gen(LLM(checkpoint(name), device="cuda", enforce_eager=True, **kw), prompts_for(name), params)
+    gpu = _gen(LLM(checkpoint(name), device="cuda", enforce_eager=True, gpu_memory_utilization=0.05, **kw), prompts_for(name), params)
     assert gpu == cpu
 
 
@@ -75,7 +75,8 @@ def test_gpu_graphs_equal_eager(name, dtype):
     torch.backends.cuda.matmul.allow_tf32 = False
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = prompts_for(name, lens=(1, 2, 3, 9, 17, 30, 64, 5, 7))
-    kw = dict(skip_tokenizer_init=True, dtype=dtype, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16])
+    kw = dict(skip_tokenizer_init=True, dtype=dtype, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16],
+              gpu_memory_utilization=0.05)
     eager = LLM(checkpoint(name), enforce_eager=True, **kw)
     graphed = LLM(checkpoint(name), **kw)
     assert graphed.llm_engine.runner.decode_graphs is not None

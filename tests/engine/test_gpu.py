@@ -12,6 +12,9 @@ from tests.models.tiny import checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# each engine's share of the GPU: several engines live in one test process
+SHARE = 0.05
+
 
 def _gen(llm, prompts, params):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -25,8 +28,8 @@ def test_gpu_greedy_equals_cpu_float32(name):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = prompts_for(name)
     cpu = _gen(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cpu"), prompts, params)
-    gpu = _gen(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cuda", enforce_eager=True),
-               prompts, params)
+    gpu = _gen(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cuda", enforce_eager=True,
+                   gpu_memory_utilization=SHARE), prompts, params)
     assert gpu == cpu
 
 
@@ -34,7 +37,8 @@ def test_gpu_greedy_equals_cpu_float32(name):
 def test_graphs_equal_eager_bf16(name):
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     prompts = prompts_for(name, lens=(1, 2, 3, 9, 17, 30, 64, 5, 7))
-    kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16])
+    kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16],
+              gpu_memory_utilization=SHARE)
     eager = LLM(checkpoint(name), enforce_eager=True, **kw)
     graphed = LLM(checkpoint(name), **kw)
     assert graphed.llm_engine.runner.decode_graphs is not None
@@ -47,7 +51,7 @@ def test_graphs_equal_eager_bf16(name):
 def test_graphs_with_joining_and_leaving_requests_and_long_prefill(name, mode):
     """Mixed steps (chunks of a 200-token prompt beside decodes) go through piecewise graphs."""
     kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8],
-              max_num_batched_tokens=64)
+              max_num_batched_tokens=64, gpu_memory_utilization=SHARE)
     results = {}
     for run_mode in ("eager", mode):
         llm = LLM(checkpoint(name), compilation_mode=run_mode, **kw)
@@ -74,7 +78,7 @@ def test_graphs_with_joining_and_leaving_requests_and_long_prefill(name, mode):
 
 def test_padded_rows_leave_state_slots_untouched():
     llm = LLM(checkpoint("bamba"), skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=4,
-              cuda_graph_sizes=[4])
+              cuda_graph_sizes=[4], gpu_memory_utilization=SHARE)
     runner = llm.llm_engine.runner
     before = [(c.clone(), s.clone()) for c, s in runner.caches.mamba]
     kv_before = [(k.clone(), v.clone()) for k, v in runner.caches.kv]

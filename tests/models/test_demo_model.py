@@ -57,7 +57,7 @@ def test_greedy_64_tokens_equal_transformers_generate(hf, llm):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_bf16_greedy_first_32_tokens_equal_transformers(hf):
     model, tok = hf
-    gpu = LLM(dtype="bfloat16", device="cuda")
+    gpu = LLM(dtype="bfloat16", device="cuda", gpu_memory_utilization=0.05)
     outs = gpu.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
     ref_model = model.to("cuda", torch.bfloat16)
     try:
