@@ -8,7 +8,8 @@ and cached in the per-step `metadata` dict that the forward context passes to ev
 Cache entries are keyed by what they depend on (e.g. ``("ssd_chunks", 256)``) and remember the
 `query_start_loc` tensor they were built from: a dict reused with another tensor recomputes.
 Reading `query_start_loc` on the host costs one device sync per step; a caller that already
-has the offsets as a Python list can store them under ``QSL_HOST_KEY`` to avoid it.
+has the offsets as a Python list stores them under ``"query_start_loc_host"`` (the key the
+attention op reads too) to avoid it.
 
 This module knows nothing about models or the engine.
 """
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-QSL_HOST_KEY = ("query_start_loc", "host")
+QSL_HOST_KEY = ("query_start_loc", "host")  # our cache of the offsets read back from the device
+QSL_HOST_LIST = "query_start_loc_host"  # offsets the caller already has on the host (a list)
 
 
 def _cached(metadata: dict | None, key, query_start_loc: torch.Tensor, build):
@@ -35,7 +37,15 @@ def _cached(metadata: dict | None, key, query_start_loc: torch.Tensor, build):
 
 
 def query_start_loc_host(query_start_loc: torch.Tensor, metadata: dict | None) -> np.ndarray:
-    """query_start_loc as an int64 numpy array (batch + 1,), read once per step."""
+    """query_start_loc as an int64 numpy array (batch + 1,): the caller's host copy when the
+    metadata holds one, else read from the device once per step. Raises ValueError when the
+    host copy does not match the batch size."""
+    if metadata is not None and QSL_HOST_LIST in metadata:
+        host = np.asarray(metadata[QSL_HOST_LIST], dtype=np.int64)
+        if host.shape != (query_start_loc.numel(),):
+            raise ValueError(f"metadata[{QSL_HOST_LIST!r}] has {host.size} offsets, the batch has "
+                             f"{query_start_loc.numel()}")
+        return host
     return _cached(metadata, QSL_HOST_KEY, query_start_loc,
                    lambda: np.asarray(query_start_loc.tolist(), dtype=np.int64))
 

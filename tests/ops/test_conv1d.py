@@ -70,6 +70,11 @@ def test_causal_conv1d_metadata_cached(device):
     second = _run_both(x, w, None, states, qsl, idx, has, "silu", metadata)
     assert metadata.keys() == cached.keys() and all(metadata[k] is cached[k] for k in cached)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    # offsets the engine already holds on the host are used as they are (no device read)
+    third = _run_both(x, w, None, states, qsl, idx, has, "silu", {"query_start_loc_host": [0, 5, 6, 15]})
+    assert torch.equal(first[0], third[0]) and torch.equal(first[1], third[1])
+    with pytest.raises(ValueError):
+        _run_both(x, w, None, states, qsl, idx, has, "silu", {"query_start_loc_host": [0, 5, 6]})
 
 
 @pytest.mark.parametrize("device", DEVICES)
