@@ -63,7 +63,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(None, prompt, p))
+                ids.append(engine.add_request(None, prompt, p, final_only=True))
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)

@@ -45,7 +45,7 @@ class _Request:
     decode: list[DecodeState] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: float | None = None
-    finished_reported: bool = False
+    final_only: bool = False
 
 
 class LLMEngine:
@@ -101,9 +101,11 @@ class LLMEngine:
         prompt: str | dict | list[int],
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> str:
         """Queue a request: a text prompt, a list of token ids, or {"prompt_token_ids": [...]}
-        (vLLM's TokensPrompt). Returns its request id. Raises ValueError (engine unchanged) for
+        (vLLM's TokensPrompt). Returns its request id. final_only: `step` reports the request
+        once, when it finishes (offline generation), instead of after every step (streaming). Raises ValueError (engine unchanged) for
         an empty prompt, token ids outside the vocabulary, a prompt that leaves no room within
         max_model_len, or a request id already in use."""
         params = params or SamplingParams()
@@ -131,7 +133,8 @@ class LLMEngine:
                 p = dataclasses.replace(params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Sequence(seq_id, prompt_token_ids=token_ids, sampling_params=p, prompt=text, arrival_time=now))
-        req = _Request(request_id, text, list(token_ids), params, seqs, [DecodeState() for _ in seqs], now)
+        req = _Request(request_id, text, list(token_ids), params, seqs, [DecodeState() for _ in seqs], now,
+                       final_only=final_only)
         self.requests[request_id] = req
         for i, seq in enumerate(seqs):
             self._seq_owner[seq.request_id] = (req, i)
@@ -196,7 +199,9 @@ class LLMEngine:
                 seq.append_token(token, lps)
                 self.stats["generation_tokens"] += 1
                 self._update_text_and_stop(req, idx, seq, token)
-        return [self._output(req) for req in touched.values()]
+        # building an output copies every token list: skip it for requests that only want the end
+        return [self._output(req) for req in touched.values()
+                if not req.final_only or all(seq.is_finished for seq in req.seqs)]
 
     def _store_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         n = seq.num_prompt_tokens
