@@ -13,11 +13,10 @@ from torch import nn
 
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.attention import Attention
-from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
-from mambaserve.models.base import HybridForCausalLM, dt_limit, layer_kinds
+from mambaserve.models.base import HybridForCausalLM, build_layers, mamba_mixer_from_config
 
 
 def rope_settings(config) -> tuple[float, float]:
@@ -34,21 +33,7 @@ class _Layer(nn.Module):
         self.kind = kind
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if kind == "mamba":
-            self.mamba = Mamba2Mixer(
-                hidden_size=config.hidden_size,
-                num_heads=config.mamba_n_heads,
-                head_dim=config.mamba_d_head,
-                d_state=config.mamba_d_state,
-                n_groups=config.mamba_n_groups,
-                conv_kernel=config.mamba_d_conv,
-                chunk_size=config.mamba_chunk_size,
-                intermediate_size=int(config.mamba_expand * config.hidden_size),
-                use_conv_bias=config.mamba_conv_bias,
-                use_bias=config.mamba_proj_bias,
-                eps=config.rms_norm_eps,
-                dt_limit=dt_limit(config),
-                cache_index=cache_index,
-            )
+            self.mamba = mamba_mixer_from_config(config, cache_index)
         else:
             head_dim = config.hidden_size // config.num_attention_heads
             self.self_attn = Attention(
@@ -72,15 +57,7 @@ class _Model(nn.Module):
         head_dim = config.hidden_size // config.num_attention_heads
         theta, partial = rope_settings(config)
         rotary = RotaryEmbedding(head_dim, int(head_dim * partial), theta)
-        layers, n_mamba, n_attn = [], 0, 0
-        for kind in layer_kinds(config):
-            if kind == "mamba":
-                layers.append(_Layer(config, kind, n_mamba, None))
-                n_mamba += 1
-            else:
-                layers.append(_Layer(config, kind, n_attn, rotary))
-                n_attn += 1
-        self.layers = nn.ModuleList(layers)
+        self.layers = build_layers(config, lambda kind, i: _Layer(config, kind, i, rotary if kind == "attention" else None))
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
@@ -88,9 +65,7 @@ class BambaForCausalLM(HybridForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self.model = _Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.make_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # (T, hidden)

@@ -55,6 +55,36 @@ def dt_limit(config) -> tuple[float, float]:
     return (float(limit[0]), float(limit[1]))
 
 
+def mamba_mixer_from_config(config, cache_index: int) -> Mamba2Mixer:
+    """The Mamba2 mixer of a config that names its fields `mamba_*` (Bamba, Granite 4.0-H)."""
+    return Mamba2Mixer(
+        hidden_size=config.hidden_size,
+        num_heads=config.mamba_n_heads,
+        head_dim=config.mamba_d_head,
+        d_state=config.mamba_d_state,
+        n_groups=config.mamba_n_groups,
+        conv_kernel=config.mamba_d_conv,
+        chunk_size=config.mamba_chunk_size,
+        intermediate_size=int(config.mamba_expand * config.hidden_size),
+        use_conv_bias=config.mamba_conv_bias,
+        use_bias=config.mamba_proj_bias,
+        eps=config.rms_norm_eps,
+        dt_limit=dt_limit(config),
+        cache_index=cache_index,
+    )
+
+
+def build_layers(config, make_layer) -> nn.ModuleList:
+    """One layer per entry of `layer_kinds(config)`: make_layer(kind, cache_index), where the
+    cache index counts the layers of the same kind before it (Mamba and KV caches apart)."""
+    counts = {"mamba": 0, "attention": 0}
+    layers = []
+    for kind in layer_kinds(config):
+        layers.append(make_layer(kind, counts[kind]))
+        counts[kind] += 1
+    return nn.ModuleList(layers)
+
+
 class HybridForCausalLM(nn.Module):
     """Common parts: logits, cache declaration, parameter initialisation for dummy weights.
 
@@ -74,6 +104,12 @@ class HybridForCausalLM(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
+
+    def make_lm_head(self, embeddings: nn.Embedding) -> None:
+        """lm_head, sharing the embedding matrix when the config ties them."""
+        self.lm_head = nn.Linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False)
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = embeddings.weight
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: (n, hidden) -> float32 logits (n, vocab_size)."""

@@ -48,9 +48,7 @@ class Mamba2ForCausalLM(HybridForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self.backbone = _Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.backbone.embeddings.weight
+        self.make_lm_head(self.backbone.embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.backbone.embeddings(input_ids)  # (T, hidden)

@@ -240,9 +240,7 @@ class Zamba2ForCausalLM(HybridForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self.model = _Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.make_lm_head(self.model.embed_tokens)
 
     def cache_spec(self) -> CacheSpec:
         spec = CacheSpec()
