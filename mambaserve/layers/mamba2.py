@@ -91,6 +91,13 @@ class Mamba2Mixer(nn.Module):
         y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=I // self.n_groups)
         return self.out_proj(y)
 
+    def decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log), float32 (nheads,): computed once per weight version, not per step."""
+        version = (self.A_log._version, self.A_log.data_ptr())
+        if getattr(self, "_A_cache", (None,))[0] != version:
+            self._A_cache = (version, -torch.exp(self.A_log.detach().float()))
+        return self._A_cache[1]
+
     def ssm(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The state-dependent core: conv1d and the selective scan (or their one-step updates).
 
@@ -103,7 +110,7 @@ class Mamba2Mixer(nn.Module):
         xBC = zxbcdt[:, I : I + self.conv_dim]  # column slice: the conv reads it in place
         dt = zxbcdt[:, I + self.conv_dim :]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
-        A = -torch.exp(self.A_log.float())
+        A = self.decay_rates()
         if ctx.decode_only:
             xBC = ops.causal_conv1d_update(xBC, conv_states, weight, self.conv1d.bias, ctx.state_indices)
         else:

@@ -79,10 +79,10 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         for layer in self.model.layers:
             x = layer.input_layernorm(h)
             x = layer.mamba(x, ctx) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
-            h = h + x * r
+            h = torch.add(h, x, alpha=r)  # one kernel for h + r * x
             x = layer.post_attention_layernorm(h)
             mlp = layer.shared_mlp(x)
             if layer.block_sparse_moe is not None:
                 mlp = mlp + layer.block_sparse_moe(x)
-            h = h + mlp * r
+            h = torch.add(h, mlp, alpha=r)
         return self.model.norm(h)
