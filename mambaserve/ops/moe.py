@@ -111,6 +111,83 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_y, stride_o,
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _direct_gate_up_kernel(x_ptr, w1_ptr, ids_ptr, act_ptr, hidden, inter, top_k,
+                           stride_x, stride_we, stride_wn, stride_a,
+                           BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    """act[p, i] = silu(w1[e, i] . x[t]) * (w1[e, inter + i] . x[t]) for routed pair p = t * top_k + k,
+    e = ids[p]: a matrix-vector product that reads only the routed expert's rows."""
+    p = tl.program_id(0)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_mask = offs_i < inter
+    t = (p // top_k).to(tl.int64)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    w_rows = w1_ptr + e * stride_we + offs_i.to(tl.int64)[:, None] * stride_wn
+    up_off = inter * stride_wn
+    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < hidden
+        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        m = i_mask[:, None] & h_mask[None, :]
+        wg = tl.load(w_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(w_rows + up_off + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+        acc_g += tl.sum(wg * xv[None, :], axis=1)
+        acc_u += tl.sum(wu * xv[None, :], axis=1)
+    act = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(act_ptr + p.to(tl.int64) * stride_a + offs_i, act, mask=i_mask)
+
+
+@triton.jit
+def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter,
+                        stride_a, stride_we, stride_wn, stride_o,
+                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    """out[t, n] = sum_k wts[t, k] * (w2[e_k, n] . act[t * TOP_K + k]), summed in a fixed order."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < hidden
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(TOP_K):
+        p = t * TOP_K + k
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        weight = tl.load(wts_ptr + p).to(tl.float32)
+        w_rows = w2_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        part = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i0 in range(0, inter, BLOCK_I):
+            offs_i = i0 + tl.arange(0, BLOCK_I)
+            i_mask = offs_i < inter
+            a = tl.load(act_ptr + p * stride_a + offs_i, mask=i_mask, other=0.0)
+            w = tl.load(w_rows + offs_i[None, :], mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+            part += tl.sum(w * a[None, :], axis=1)
+        acc += weight * part
+    tl.store(out_ptr + t * stride_o + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+# Up to this many routed (token, expert) pairs, the direct kernels beat sorting and grouping:
+# each pair reads its expert's weights once, and there are no routing launches.
+DIRECT_MAX_PAIRS = 32
+
+
+def _direct_moe(x, w1, w2, topk_weights, topk_ids, out):
+    num_tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    inter = w2.shape[2]
+    num_pairs = num_tokens * top_k
+    ids = topk_ids.contiguous()
+    act = torch.empty(num_pairs, inter, dtype=torch.float32, device=x.device)
+    # narrow tiles: a decode step has few pairs, and many programs keep the memory system busy
+    block_i = 16 if x.is_cuda else 8
+    _direct_gate_up_kernel[(num_pairs, triton.cdiv(inter, block_i))](
+        x, w1, ids, act, hidden, inter, top_k, x.stride(0), w1.stride(0), w1.stride(1), act.stride(0),
+        BLOCK_I=block_i, BLOCK_H=128 if x.is_cuda else 32)
+    block_n = 16 if x.is_cuda else 8
+    _direct_down_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        act, w2, ids, topk_weights.contiguous(), out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_I=128 if x.is_cuda else 32)
+    return out
+
+
 def _route(topk_ids: torch.Tensor, num_experts: int):
     """Sort the (token, k) pairs by expert. Returns token_of (M,) int32 (source token of each
     sorted row), inv (M,) int64 (sorted row of each pair, in (token, k) order) and offs
@@ -202,7 +279,8 @@ def fused_moe_triton(
     2 * inter, hidden), gate rows then up rows; w2: (num_experts, hidden, inter), both in
     hidden_states' dtype; topk_weights: (num_tokens, top_k) float; topk_ids: (num_tokens,
     top_k) int, values in [0, num_experts) (not checked: that would sync the host).
-    impl: None chooses ("grouped_mm" where usable, else "triton"); tests and benchmarks force one.
+    impl: None chooses ("direct" for at most DIRECT_MAX_PAIRS routed pairs, else "grouped_mm"
+    where usable, else "triton"); tests and benchmarks force one.
     out: optional preallocated (num_tokens, hidden) result in hidden_states' dtype, stride 1.
     Returns (num_tokens, hidden) in hidden_states' dtype.
     Math: out[t] = sum_k w[t, k] * w2[e] (silu(g) * u), [g; u] = w1[e] x_t, e = ids[t, k]
@@ -222,8 +300,8 @@ def fused_moe_triton(
         raise ValueError("topk_ids must be an integer tensor")
     if w1.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
         raise ValueError(f"w1, w2 must have hidden_states' dtype {hidden_states.dtype}, got {w1.dtype}, {w2.dtype}")
-    if impl not in (None, "grouped_mm", "triton"):
-        raise ValueError(f"impl must be None, 'grouped_mm' or 'triton', got {impl!r}")
+    if impl not in (None, "direct", "grouped_mm", "triton"):
+        raise ValueError(f"impl must be None, 'direct', 'grouped_mm' or 'triton', got {impl!r}")
     if impl == "grouped_mm" and not _grouped_mm_usable(hidden_states, w1, w2):
         raise ValueError("torch._grouped_mm is not usable here (needs CUDA bf16, sizes multiple of 8)")
     top_k = topk_ids.shape[1]
@@ -234,11 +312,16 @@ def fused_moe_triton(
     if num_tokens == 0 or top_k == 0:
         return out.zero_()
     if impl is None:
-        impl = "grouped_mm" if _grouped_mm_usable(hidden_states, w1, w2) else "triton"
+        if num_tokens * top_k <= DIRECT_MAX_PAIRS:
+            impl = "direct"
+        else:
+            impl = "grouped_mm" if _grouped_mm_usable(hidden_states, w1, w2) else "triton"
 
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     w1 = w1 if w1.stride(2) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    if impl == "direct":
+        return _direct_moe(x, w1, w2, topk_weights, topk_ids, out)
     num_rows = num_tokens * top_k
     token_of, inv, offs = _route(topk_ids, num_experts)
     if impl == "grouped_mm":

@@ -56,6 +56,20 @@ def test_fused_moe_triton_path_nan_poisoned_out_and_odd_sizes():
     assert rel_err(out, _ref(x, w1, w2, tw, ti)) < tolerance(torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 6), (3, 2), (5, 6)])
+def test_fused_moe_direct_path_for_few_pairs(dtype, num_tokens, top_k):
+    """The decode path: one matrix-vector product per routed pair, odd sizes, NaN-poisoned out."""
+    x, w1, w2, tw, ti = _make(num_tokens, 40, 24, 9, top_k, dtype, DEVICE, empty_experts=2)
+    out = nan_empty(*x.shape, dtype=dtype, device=DEVICE)
+    fused_moe_triton(x, w1, w2, tw, ti.to(torch.int32), impl="direct", out=out)
+    assert rel_err(out, _ref(x, w1, w2, tw, ti)) < tolerance(dtype)
+    # chosen by default for few pairs, and the same function as the grouped path
+    with ops.backend("triton"):
+        default = ops.fused_moe(x, w1, w2, tw, ti)
+    assert rel_err(default, out.double()) < tolerance(dtype)
+
+
 def test_fused_moe_int32_ids_and_no_tokens():
     x, w1, w2, tw, ti = _make(5, 32, 16, 4, 2, torch.float32, DEVICE)
     out = fused_moe_triton(x, w1, w2, tw, ti.to(torch.int32))
@@ -77,13 +91,15 @@ def test_fused_moe_rejects_bad_input():
 # ---- GPU only: model-sized shapes ---------------------------------------------------------
 
 
-GPU_IMPLS = ["triton"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
+GPU_IMPLS = ["triton", "direct"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
 
 
 @gpu
 @pytest.mark.parametrize("impl", GPU_IMPLS)
 @pytest.mark.parametrize("num_tokens", [1, 256, 3000])
 def test_fused_moe_granite_shapes_gpu(impl, num_tokens):
+    if impl == "direct" and num_tokens > 256:
+        pytest.skip("the direct path is for decode-sized batches")
     """granite-4.0-tiny-preview: hidden 1536, 62 experts, top-6, intermediate 512, bf16."""
     x, w1, w2, tw, ti = _make(num_tokens, 1536, 512, 62, 6, torch.bfloat16, "cuda", empty_experts=5)
     out = torch.full_like(x, float("nan"))
