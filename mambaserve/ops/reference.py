@@ -204,8 +204,10 @@ def mamba_chunk_scan(
             if slot >= 0:
                 ssm_states[slot] = (init if init is not None else torch.zeros_like(ssm_states[slot]))
             continue
+        # The result does not depend on the chunk size: a short sequence (a decode inside a
+        # mixed batch) is one chunk of its own length instead of a mostly padded one.
         ys, final = ssd_sequence(
-            xc[start:end], dtp[start:end], Ac, Bh[start:end], Ch[start:end], chunk_size, init
+            xc[start:end], dtp[start:end], Ac, Bh[start:end], Ch[start:end], min(chunk_size, end - start), init
         )
         y[start:end] = ys
         if slot >= 0:
