@@ -1,9 +1,10 @@
 """Evaluation with lm-evaluation-harness (the optional `eval` extra).
 
 Importing this package registers the `mambaserve` model with lm_eval, which (as of 0.4.x) has
-no plugin discovery: `python -m mambaserve.eval ...` is lm_eval's own command line with the
-model registered first, and Python code does `import mambaserve.eval` before
-`lm_eval.simple_evaluate(model="mambaserve", ...)`.
+no plugin discovery. Installed mambaserve does that import for any process that imports
+`lm_eval.models` (the `mambaserve-lm-eval.pth` hook, `_mambaserve_lm_eval_hook.py`), so plain
+`lm_eval --model mambaserve` works; `python -m mambaserve.eval ...` and an explicit
+`import mambaserve.eval` before `lm_eval.simple_evaluate(model="mambaserve", ...)` do too.
 """
 
 try:

@@ -261,3 +261,17 @@ def test_local_completions_equals_offline(tiny, tiny_results, monkeypatch):
                                                     tokenizer_backend="huggingface", max_length=MAX_LEN,
                                                     num_concurrent=8))
     assert_same_scores(served, tiny_results)
+
+
+def test_plain_lm_eval_command_line_knows_mambaserve_without_importing_it_first():
+    """The installed .pth hook registers the backend in a fresh `python -m lm_eval` process."""
+    import subprocess
+    import sys
+
+    code = ("import sys; assert 'mambaserve' not in sys.modules and 'torch' not in sys.modules; "
+            "from lm_eval.api.registry import get_model; print(get_model('mambaserve').__name__, get_model('hf').__name__)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
+    if proc.returncode != 0 and "_mambaserve_lm_eval_hook" not in sys.modules:
+        pytest.skip(f"mambaserve is not installed with its .pth hook here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["MambaServeLM", "HFLM"]
