@@ -264,6 +264,10 @@ async def _first_model(base_url: str) -> tuple[str, str | None]:
 
 def main(args: argparse.Namespace) -> int:
     """`mambaserve bench serve`: build the dataset, load the server, print and save the results."""
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        raise SystemExit('mambaserve bench serve needs aiohttp: pip install "mambaserve[server]"') from None
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     if args.request_rate <= 0 or args.burstiness <= 0:
         raise ValueError("--request-rate and --burstiness must be > 0")

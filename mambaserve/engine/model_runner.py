@@ -128,23 +128,28 @@ class ModelRunner:
         block_bytes = bytes_per_block(self.spec, self.block_size, self.dtype)
         # One spare slot is kept for CUDA-graph padding rows, never handed to a request.
         wanted_slots = cfg.num_state_slots or (cfg.max_num_seqs + 1)
+        num_blocks = 0
         if self.has_attention:
+            if cfg.num_kv_blocks is None and cfg.max_model_len is None:
+                # a nominal limit of 128k+ tokens may not fit: give one longest sequence at most
+                # half of what is left beside two state slots
+                room = max(0, budget - 2 * slot_bytes) // 2
+                if -(-max_model_len // self.block_size) * block_bytes > room:
+                    max_model_len = max(self.block_size, room // block_bytes * self.block_size)
+                    logger.warning("max_model_len clamped to %d tokens to fit the cache budget", max_model_len)
             min_blocks = -(-max_model_len // self.block_size)
             if cfg.num_kv_blocks is not None:
                 num_blocks = cfg.num_kv_blocks
             else:
-                num_blocks = max(0, (budget - wanted_slots * slot_bytes) // block_bytes)
-                if num_blocks < min_blocks and cfg.max_model_len is None:
-                    # the model's nominal limit does not fit: shrink it to what fits with all slots
-                    max_model_len = max(self.block_size, num_blocks * self.block_size)
-                    min_blocks = -(-max_model_len // self.block_size)
-                    logger.warning("max_model_len clamped to %d tokens to fit the KV cache budget", max_model_len)
+                slots = cfg.num_state_slots or max(2, min(wanted_slots, (budget - min_blocks * block_bytes) // max(slot_bytes, 1)))
+                num_blocks = max(0, (budget - slots * slot_bytes) // block_bytes)
+                # never more blocks than the running sequences can fill
+                num_blocks = min(num_blocks, max(1, slots - 1) * min_blocks)
             if num_blocks < min_blocks:
                 raise ValueError(
                     f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than one "
-                    f"max_model_len={max_model_len} sequence needs ({min_blocks}); lower max_model_len or raise the memory budget")
-        else:
-            num_blocks = 0
+                    f"max_model_len={max_model_len} sequence needs ({min_blocks}); lower max_model_len or "
+                    f"max_num_seqs, or raise {'gpu_memory_utilization' if on_gpu else 'cpu_cache_bytes'}")
         num_slots = cfg.num_state_slots or max(2, min(wanted_slots, (budget - num_blocks * block_bytes) // max(slot_bytes, 1)))
         max_num_seqs = min(cfg.max_num_seqs, num_slots - 1)
         if max_num_seqs < cfg.max_num_seqs:

@@ -11,6 +11,9 @@ import importlib
 import logging
 import sys
 
+# the optional extra each subcommand needs beyond the core install
+_EXTRAS = {"serve": "server"}
+
 # subcommand -> module providing register(subparsers)
 _SUBCOMMANDS = {
     "generate": "mambaserve.entrypoints.generate",
@@ -28,8 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
             mod = importlib.import_module(module)
         except ImportError as e:
             # an optional extra is missing: keep the command visible, explain on use
-            p = sub.add_parser(name, help=f"(unavailable: {e})")
-            p.set_defaults(func=lambda args, e=e: sys.exit(f"mambaserve: this command needs an optional dependency: {e}"))
+            hint = f'pip install "mambaserve[{_EXTRAS.get(name, name)}]"'
+            p = sub.add_parser(name, help=f"(unavailable: {hint})", add_help=False)
+            p.add_argument("args", nargs=argparse.REMAINDER)
+            p.set_defaults(func=lambda args, e=e, hint=hint: sys.exit(
+                f"mambaserve: this command needs an optional dependency ({e}); install it with: {hint}"))
             continue
         mod.register(sub)
     return parser

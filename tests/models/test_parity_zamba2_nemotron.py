@@ -23,7 +23,7 @@ from tests.models.test_parity import Harness
 from tests.models.tiny import checkpoint, hf_model
 
 NAMES = ["zamba2", "zamba2-gqa", "nemotron-h", "nemotron-h-moe"]
-REAL_CONFIGS = Path(__file__).resolve().parents[3] / "shared" / "configs"
+REAL_CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -126,7 +126,7 @@ def test_nemotron_unknown_layer_symbol_is_a_clear_error():
         "mamba", "attention", "mlp", "moe"]
 
 
-@pytest.mark.skipif(not REAL_CONFIGS.is_dir(), reason="needs ../shared/configs")
+@pytest.mark.skipif(not REAL_CONFIGS.is_dir(), reason="needs benchmarks/configs")
 @pytest.mark.parametrize("file, params, n_mamba, n_attn", [
     ("zamba2-2.7b.json", 2.66e9, 54, 9),
     ("nemotron-h-8b.json", 8.10e9, 24, 4),
