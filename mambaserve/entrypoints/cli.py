@@ -33,8 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
             # an optional extra is missing: keep the command visible, explain on use
             hint = f'pip install "mambaserve[{_EXTRAS.get(name, name)}]"'
             p = sub.add_parser(name, help=f"(unavailable: {hint})", add_help=False)
-            p.add_argument("args", nargs=argparse.REMAINDER)
-            p.set_defaults(func=lambda args, e=e, hint=hint: sys.exit(
+            p.set_defaults(unavailable=True, func=lambda args, e=e, hint=hint: sys.exit(
                 f"mambaserve: this command needs an optional dependency ({e}); install it with: {hint}"))
             continue
         mod.register(sub)
@@ -43,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0
