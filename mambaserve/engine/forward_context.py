@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -96,17 +97,18 @@ class ForwardContext:
         if block_tables is not None:
             width = max((len(b) for b in block_tables), default=0) or 1
             table = [b + [0] * (width - len(b)) for b in block_tables]
-            slots = []
+            parts = []
             for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
                 blocks = block_tables[i]
                 if -(-s // block_size) > len(blocks):
                     raise ValueError(f"block table of sequence {i} covers {len(blocks) * block_size} tokens, needs {s}")
-                for pos in range(s - q, s):
-                    slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+                pos = np.arange(s - q, s)
+                parts.append(np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size + pos % block_size)
             if pad_to is not None:
-                slots.extend([-1] * (pad_to - len(slots)))
+                parts.append(np.full(pad_to - offsets[-1], -1, dtype=np.int64))
+            slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             block_table = torch.tensor(table, **i32).to(device, non_blocking=True)
-            slot_mapping = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+            slot_mapping = torch.from_numpy(slots).to(device, non_blocking=True)
         return cls(
             query_start_loc=torch.tensor(offsets, **i32).to(device, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, **i32).to(device, non_blocking=True),
