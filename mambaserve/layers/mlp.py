@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mambaserve import ops
+
 from mambaserve.layers.activation import get_activation
 
 
@@ -37,8 +39,7 @@ class FusedGatedMLP(nn.Module):
         self.output_linear = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.input_linear(x).chunk(2, dim=-1)
-        return self.output_linear(F.silu(gate) * up)
+        return self.output_linear(ops.silu_and_mul(self.input_linear(x)))
 
 
 class MLP(nn.Module):

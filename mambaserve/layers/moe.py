@@ -47,9 +47,8 @@ class GraniteMoE(nn.Module):
         self.output_linear = _ExpertWeights(num_experts, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.router.layer.weight).float()  # (T, E)
-        top_logits, top_ids = logits.topk(self.top_k, dim=-1)  # (T, k)
-        top_weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        logits = F.linear(x, self.router.layer.weight)  # (T, E)
+        top_weights, top_ids = ops.topk_softmax(logits, self.top_k, x.dtype)  # (T, k) each
         return ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids)
 
 

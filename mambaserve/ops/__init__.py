@@ -34,6 +34,8 @@ __all__ = [
     "reshape_and_cache",
     "paged_attention",
     "fused_moe",
+    "topk_softmax",
+    "silu_and_mul",
     "reference",
 ]
 
@@ -354,3 +356,33 @@ def fused_moe(
 
         return fused_moe_triton(hidden_states, w1, w2, topk_weights, topk_ids)
     return reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None):
+    """Top-k expert routing: the top_k largest logits of each row and a softmax over them.
+
+    logits: (num_tokens, num_experts), any float dtype (compared in float32). Returns
+    (weights (num_tokens, top_k) in out_dtype (default logits.dtype), ids (num_tokens, top_k)
+    integer), largest first. Math: `reference.topk_softmax` (Shazeer et al. 2017, top-k gating).
+    Raises ValueError when top_k is not in [1, num_experts].
+    """
+    _check(logits.dim() == 2, f"logits must be (num_tokens, num_experts), got {tuple(logits.shape)}")
+    _check(1 <= top_k <= logits.shape[1], f"top_k must be in [1, {logits.shape[1]}], got {top_k}")
+    out_dtype = out_dtype or logits.dtype
+    if _use_triton(logits) and logits.shape[1] <= 1024:
+        from mambaserve.ops.moe import topk_softmax_triton
+
+        return topk_softmax_triton(logits if logits.stride(1) == 1 else logits.contiguous(), top_k, out_dtype)
+    return reference.topk_softmax(logits, top_k, out_dtype)
+
+
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused [gate | up] projection. h: (num_rows, 2 * inter) ->
+    (num_rows, inter) in h.dtype. Math: `reference.silu_and_mul`. Raises ValueError on an odd
+    feature count."""
+    _check(h.dim() == 2 and h.shape[1] % 2 == 0, f"h must be (num_rows, 2 * inter), got {tuple(h.shape)}")
+    if _use_triton(h):
+        from mambaserve.ops.activation import silu_and_mul_triton
+
+        return silu_and_mul_triton(h if h.stride(1) == 1 else h.contiguous())
+    return reference.silu_and_mul(h)

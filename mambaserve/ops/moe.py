@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mambaserve.ops.activation import _silu_mul_kernel
+
 __all__ = ["fused_moe_triton"]
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
@@ -83,17 +85,6 @@ def _grouped_gemm_kernel(
         acc = acc * tl.sigmoid(acc) * acc_up
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=r_mask[:, None] & c_mask[None, :])
-
-
-@triton.jit
-def _silu_mul_kernel(h_ptr, out_ptr, inter, stride_h, stride_o, BLOCK: tl.constexpr):
-    """out[r] = silu(h[r, :inter]) * h[r, inter:] in float32."""
-    r = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    g = tl.load(h_ptr + r * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(h_ptr + r * stride_h + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + r * stride_o + cols, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -162,6 +153,43 @@ def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inte
             part += tl.sum(w * a[None, :], axis=1)
         acc += weight * part
     tl.store(out_ptr + t * stride_o + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
+                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The TOP_K largest logits of a row (first index among equals) and a softmax over them."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    row = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    top = tl.max(row, 0)
+    # pass 1: the softmax denominator over the k largest; pass 2: write ids and weights
+    v = row
+    denom = 0.0
+    for _ in tl.static_range(TOP_K):
+        m = tl.max(v, 0)
+        idx = tl.min(tl.where(v == m, offs, BLOCK_E), 0)
+        denom += tl.exp(m - top)
+        v = tl.where(offs == idx, float("-inf"), v)
+    v = row
+    for k in tl.static_range(TOP_K):
+        m = tl.max(v, 0)
+        idx = tl.min(tl.where(v == m, offs, BLOCK_E), 0)
+        tl.store(ids_ptr + t * TOP_K + k, idx)
+        tl.store(w_ptr + t * TOP_K + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
+        v = tl.where(offs == idx, float("-inf"), v)
+
+
+def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype):
+    """logits: (num_tokens, num_experts), stride 1 along experts -> (weights (num_tokens, top_k)
+    in out_dtype, ids (num_tokens, top_k) int32). One program per token."""
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
+                                            TOP_K=top_k, BLOCK_E=_next_pow2(num_experts))
+    return weights, ids
 
 
 # Up to this many routed (token, expert) pairs, the direct kernels beat sorting and grouping:

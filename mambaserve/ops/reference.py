@@ -378,3 +378,19 @@ def fused_moe(
         y = h @ w2[e].to(cdt).t()  # (n, hidden)
         out.index_add_(0, tok, y * topk_weights[tok, k].to(cdt)[:, None])
     return out.to(hidden_states.dtype)
+
+
+def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
+    """h: (num_rows, 2 * inter) -> silu(h[:, :inter]) * h[:, inter:] (GLU variants, Shazeer 2020),
+    computed in float32 (float64 for float64 input), returned in h.dtype."""
+    cdt = _compute_dtype(h)
+    gate, up = h.to(cdt).chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(h.dtype)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype):
+    """Top-k routing (Shazeer et al. 2017): the top_k largest logits of each row, in float32, and
+    a softmax over just those. logits: (num_tokens, num_experts). Returns (weights (num_tokens,
+    top_k) in out_dtype, ids (num_tokens, top_k) int64), largest first."""
+    values, ids = logits.to(_compute_dtype(logits)).topk(top_k, dim=-1)
+    return torch.softmax(values, dim=-1).to(out_dtype), ids

@@ -1,0 +1,42 @@
+"""silu_and_mul and top-k softmax routing: Triton (interpreter on CPU) against the references."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mambaserve import ops
+from tests.conftest import HAS_CUDA, rel_err, tolerance
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,inter", [(1, 24), (7, 100), (3, 1030)])
+def test_silu_and_mul(dtype, rows, inter):
+    h = torch.randn(rows, 2 * inter, device=DEVICE).to(dtype)
+    with ops.backend("triton"):
+        out = ops.silu_and_mul(h)
+    ref = F.silu(h.double()[:, :inter]) * h.double()[:, inter:]
+    assert out.shape == (rows, inter) and out.dtype == dtype
+    assert rel_err(out, ref) < tolerance(dtype)
+    with ops.backend("reference"):
+        assert rel_err(ops.silu_and_mul(h), ref) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 62, 6), (9, 8, 2), (5, 5, 1), (4, 5, 5)])
+def test_topk_softmax(dtype, num_tokens, num_experts, top_k):
+    logits = (torch.randn(num_tokens, num_experts, device=DEVICE) * 3).to(dtype)
+    with ops.backend("triton"):
+        w, ids = ops.topk_softmax(logits, top_k, torch.float32)
+    vals, ref_ids = logits.double().topk(top_k, dim=-1)
+    assert torch.equal(ids.long().cpu(), ref_ids.cpu())
+    assert rel_err(w, torch.softmax(vals, -1)) < 1e-6
+    with ops.backend("reference"):
+        w2, ids2 = ops.topk_softmax(logits, top_k, dtype)
+    assert torch.equal(ids2.cpu(), ref_ids.cpu()) and w2.dtype == dtype
+
+
+def test_topk_softmax_checks_k():
+    with pytest.raises(ValueError, match="top_k"):
+        ops.topk_softmax(torch.randn(2, 4), 5)
