@@ -136,9 +136,13 @@ class LLMEngine:
         req = _Request(request_id, text, list(token_ids), params, seqs, [DecodeState() for _ in seqs], now,
                        final_only=final_only)
         self.requests[request_id] = req
-        for i, seq in enumerate(seqs):
-            self._seq_owner[seq.request_id] = (req, i)
-            self.scheduler.add(seq)
+        try:
+            for i, seq in enumerate(seqs):
+                self._seq_owner[seq.request_id] = (req, i)
+                self.scheduler.add(seq)
+        except Exception:
+            self.abort_request(request_id)  # leave no half-added request behind
+            raise
         return request_id
 
     def _parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
