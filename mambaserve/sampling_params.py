@@ -55,7 +55,8 @@ class SamplingParams:
     stop_token_ids: token ids that end the completion, besides EOS.
     ignore_eos: keep generating after EOS (stop strings and stop_token_ids still apply).
     max_tokens: maximum number of generated tokens; None = up to the model's context length.
-    min_tokens: EOS and stop_token_ids cannot be sampled before this many tokens.
+    min_tokens: EOS and stop_token_ids cannot be sampled, and stop strings do not count,
+        before this many tokens.
     logprobs: if not None, return the sampled token's logprob and this many top logprobs.
     prompt_logprobs: if not None, return each prompt token's logprob and this many top ones.
     skip_special_tokens: leave special tokens out of the detokenized text.

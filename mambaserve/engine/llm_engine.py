@@ -228,13 +228,17 @@ class LLMEngine:
             elif token in p.stop_token_ids:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         # A stop token's own text is left out of the output, as in vLLM, unless asked for.
+        prev_len = len(state.text)
         if self.detokenizer is not None and (status is None or p.include_stop_str_in_output):
             self.detokenizer.step(state, seq.output_token_ids, p.skip_special_tokens)
         if self.detokenizer is not None and seq.output_logprobs and seq.output_logprobs[-1]:
             for tok, lp in seq.output_logprobs[-1].items():
                 lp.decoded_token = self.tokenizer.decode([tok])
-        if status is None and p.stop and self.detokenizer is not None:
-            cut = self._find_stop(state.text, p, len(state.text) - 64)
+        # As in vLLM, stop strings count only after min_tokens, and only in text new in this
+        # step (plus the overlap a stop string can straddle): one token may add any amount of
+        # text, and text from the first min_tokens tokens never stops the request later.
+        if status is None and p.stop and self.detokenizer is not None and seq.num_output_tokens > p.min_tokens:
+            cut = self._find_stop(state.text, p, prev_len + 1)
             if cut is not None:
                 stop, pos = cut
                 state.text = state.text[: pos + (len(stop) if p.include_stop_str_in_output else 0)]
@@ -248,6 +252,8 @@ class LLMEngine:
 
     @staticmethod
     def _find_stop(text: str, p: SamplingParams, search_from: int):
+        """(stop string, index) of the earliest stop string that ends at or after
+        text[search_from - 1], or None."""
         best = None
         for stop in p.stop:
             i = text.find(stop, max(0, search_from - len(stop)))

@@ -61,3 +61,21 @@ def test_stop_token_text_is_left_out():
     first = base.token_ids.index(stop_tok)
     assert out.token_ids == base.token_ids[: first + 1] and out.stop_reason == stop_tok
     assert out.text == tok.decode(base.token_ids[:first])
+
+
+def test_stop_strings_wait_for_min_tokens():
+    # vLLM: stop strings count only once more than min_tokens tokens exist, and only in the text
+    # that is new from then on; an occurrence inside the first min_tokens tokens never stops it
+    llm = LLM(dtype="float32")
+    tok = llm.get_tokenizer()
+    base = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    min_tokens = 8
+    head = tok.decode(base.token_ids[:min_tokens])
+    stop = next(w for w in (" of", " the", " a", "e") if w in head and w in base.text[len(head):])
+    out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40, min_tokens=min_tokens,
+                                                          stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > min_tokens
+    assert out.token_ids == base.token_ids[: len(out.token_ids)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop, len(head))]
+    assert llm.llm_engine.slot_pool.num_used == 0
