@@ -203,6 +203,12 @@ class ModelRunner:
         return all(s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0
                    and s.seq.num_computed_tokens + 1 == s.seq.num_tokens for s in scheduled)
 
+    @staticmethod
+    def _one_token_each(scheduled: list[ScheduledSequence]) -> bool:
+        # the context's decode_only: one new token with a state each (decodes, or one-token
+        # chunks of prompts), which the decode kernels run with exactly one row per sequence
+        return all(s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0 for s in scheduled)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
         """Run one forward over the scheduled batch and return the logits that are needed."""
@@ -216,9 +222,9 @@ class ModelRunner:
             return StepLogits(seqs, logits, {})
         num_tokens = sum(s.num_new_tokens for s in scheduled)
         padded = None
-        # decode-only batches that missed the full graphs run eagerly: the decode kernels take
-        # exactly one row per sequence, no padding rows
-        if self.piecewise_graphs is not None and not self._decode_only(scheduled):
+        # decode-only contexts (also one-token prompt chunks) that missed the full graphs run
+        # eagerly: the decode kernels take exactly one row per sequence, no padding rows
+        if self.piecewise_graphs is not None and not self._one_token_each(scheduled):
             padded = self.piecewise_graphs.padded_size(num_tokens)
         ctx, ids, positions = self.build_context(scheduled, pad_to=padded)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
