@@ -133,6 +133,11 @@ class LLMEngine:
                 p = dataclasses.replace(params, seed=params.seed + i)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Sequence(seq_id, prompt_token_ids=token_ids, sampling_params=p, prompt=text, arrival_time=now))
+        # "a" with n=2 has sequences "a#0" and "a#1": refuse a request whose sequence ids are taken
+        # before anything is changed (the clean-up below would abort the other request's sequence)
+        taken = [seq.request_id for seq in seqs if seq.request_id in self._seq_owner]
+        if taken:
+            raise ValueError(f"request id {request_id!r} clashes with running sequence ids {taken}")
         req = _Request(request_id, text, list(token_ids), params, seqs, [DecodeState() for _ in seqs], now,
                        final_only=final_only)
         self.requests[request_id] = req

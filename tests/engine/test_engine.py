@@ -251,3 +251,25 @@ def test_padded_piecewise_steps_equal_alone(name, budget, alone):
     runner.piecewise_graphs = _EagerPiecewise(runner.model)
     assert run(llm, prompts_for(name)) == alone(name)
     assert_pools_empty(llm)
+
+
+@pytest.mark.parametrize("first,second", [(("x#0", 1), ("x", 2)), (("x", 2), ("x#1", 1))])
+def test_request_ids_clashing_with_sequence_ids_are_refused(first, second, alone):
+    # a request "x" with n=2 runs sequences "x#0" and "x#1": a clash must leave the other alone
+    llm = make("granite-moe")
+    engine = llm.llm_engine
+    p = prompts_for("granite-moe")
+    engine.add_request(first[0], {"prompt_token_ids": p[3]},
+                       SamplingParams(n=first[1], temperature=0.0, max_tokens=10, ignore_eos=True))
+    with pytest.raises(ValueError):
+        engine.add_request(second[0], {"prompt_token_ids": p[2]},
+                           SamplingParams(n=second[1], temperature=0.0, max_tokens=10, ignore_eos=True))
+    done = {}
+    for _ in range(100):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+    assert done == {first[0]: [alone("granite-moe")[3]] * first[1]}
+    assert_pools_empty(llm)
