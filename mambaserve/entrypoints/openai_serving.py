@@ -203,6 +203,10 @@ class OpenAIServing:
                 msg["content"] = "".join(part.text or "" for part in m.content)
             messages.append(msg)
         kwargs = dict(req.chat_template_kwargs or {})
+        if "chat_template" in kwargs:
+            # A client's own template would run in this process: one of nested loops never ends.
+            raise ApiError(400, "chat_template_kwargs may not set chat_template: the model's template is used",
+                           param="chat_template_kwargs")
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         try:
