@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 # OpenAI caps completions' logprobs at 5 and chat's top_logprobs at 20; vLLM allows 20 for both.
 MAX_LOGPROBS = 20
@@ -31,8 +31,32 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+def _check_text(data: Any) -> Any:
+    """Raise ValueError if any string in `data` (JSON values) holds a lone UTF-16 surrogate:
+    JSON can escape one ("\\ud800"), but it is not text, and no tokenizer or reply can take it."""
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("strings must be valid Unicode (a lone surrogate was sent)") from None
+        elif isinstance(x, dict):
+            stack.extend(x.keys())
+            stack.extend(x.values())
+        elif isinstance(x, list) and x and not isinstance(x[0], int):  # not token ids: a prompt can be 1M of them
+            stack.extend(x)
+    return data
+
+
 class SamplingRequest(_Request):
     """The sampling fields that completions and chat completions share."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return _check_text(data)
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1

@@ -6,6 +6,7 @@ One server (no API key) for the module, started as `tests/entrypoints/test_serve
 
 from __future__ import annotations
 
+import json
 
 import pytest
 
@@ -48,3 +49,20 @@ def test_request_supplied_chat_template_is_refused(base_url):
     r = httpx.post(f"{base_url}/v1/chat/completions", timeout=10,
                    json={"messages": CHAT, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}})
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("path,body", [
+    ("completions", {"prompt": "a\ud800b"}),
+    ("completions", {"prompt": ["ok", "a\udfffb"]}),
+    ("completions", {"prompt": "ok", "model": "\ud800"}),
+    ("completions", {"prompt": "ok", "stop": ["\ud800"]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": "a\ud83db"}]}),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}),
+])
+def test_lone_surrogates_are_a_400_not_a_500(base_url, path, body):
+    """JSON may escape a lone UTF-16 surrogate ("\\ud800"): not text, so not a valid prompt.
+    It used to reach the tokenizer (or an error message) and come back as a 500."""
+    raw = json.dumps({**body, "max_tokens": 2})  # ASCII JSON: the surrogate as an escape
+    r = httpx.post(f"{base_url}/v1/{path}", content=raw, headers={"Content-Type": "application/json"}, timeout=10)
+    _error(r, 400)
+    assert httpx.get(f"{base_url}/health").status_code == 200
