@@ -197,6 +197,8 @@ class LLMEngine:
             touched[req.request_id] = req
             if s.seq.request_id in result.prompt_logits:
                 self._store_prompt_logprobs(s.seq, *result.prompt_logits[s.seq.request_id])
+            elif s.seq.sampling_params.prompt_logprobs is not None and s.seq.prompt_logprobs is None:
+                s.seq.prompt_logprobs = [None] * s.seq.num_prompt_tokens  # a one-token prompt: [None]
         self.stats["prompt_tokens"] += sum(s.num_new_tokens for s in sched.scheduled if s.seq.num_output_tokens == 0)
         self.stats["steps"] += 1
         if sampled is not None:

@@ -273,3 +273,13 @@ def test_request_ids_clashing_with_sequence_ids_are_refused(first, second, alone
                 done[out.request_id] = [c.token_ids for c in out.outputs]
     assert done == {first[0]: [alone("granite-moe")[3]] * first[1]}
     assert_pools_empty(llm)
+
+
+def test_prompt_logprobs_of_a_one_token_prompt_is_one_none():
+    # as in vLLM: one entry per prompt token, None for the first (it has no context)
+    llm = make("granite-moe")
+    outs = llm.generate([{"prompt_token_ids": [5]}, {"prompt_token_ids": [5, 6]}],
+                        SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)
+    assert outs[0].prompt_logprobs == [None]
+    assert outs[1].prompt_logprobs[0] is None and 6 in outs[1].prompt_logprobs[1]
+    assert_pools_empty(llm)
