@@ -10,7 +10,7 @@ messages match the offline API's. This module knows nothing about the engine.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
@@ -25,6 +25,18 @@ TokenIds = list[StrictInt]
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """JSON null for an optional field that takes no None means its default: OpenAI's API
+        documents n, stream, echo, logprobs, ... as "or null", and some clients send nulls."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].is_required()
+                or type(None) in get_args(fields[k].annotation)}
 
 
 class StreamOptions(_Request):

@@ -66,3 +66,24 @@ def test_lone_surrogates_are_a_400_not_a_500(base_url, path, body):
     r = httpx.post(f"{base_url}/v1/{path}", content=raw, headers={"Content-Type": "application/json"}, timeout=10)
     _error(r, 400)
     assert httpx.get(f"{base_url}/health").status_code == 200
+
+
+def test_null_means_default_for_openai_nullable_fields(base_url):
+    """OpenAI's API documents n, stream, echo (completions) and logprobs (chat) as nullable
+    ("integer or null", defaults apply); some clients send the nulls. They used to be 400s."""
+    r = httpx.post(f"{base_url}/v1/completions", timeout=30,
+                   json={"prompt": "Hello", "max_tokens": 3, "temperature": 0, "n": None, "stream": None,
+                         "echo": None, "logprobs": None, "best_of": None, "ignore_eos": None})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["choices"]) == 1 and not body["choices"][0]["text"].startswith("Hello")
+    assert body["choices"][0]["logprobs"] is None
+    r = httpx.post(f"{base_url}/v1/chat/completions", timeout=30,
+                   json={"messages": CHAT, "max_tokens": 3, "n": None, "stream": None, "logprobs": None,
+                         "top_logprobs": None, "add_generation_prompt": None})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    # max_tokens: null keeps its meaning (up to the context length), it is not the default 16
+    r = httpx.post(f"{base_url}/v1/completions", timeout=60,
+                   json={"prompt": [5] * 2020, "max_tokens": None, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2048 - 2020
