@@ -13,6 +13,8 @@ and the server turns them into responses.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import copy
 import dataclasses
 import math
@@ -101,8 +103,20 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = served_model_name
         tok = engine.engine.tokenizer
-        # A private copy: the engine thread decodes with its own while the event loop encodes.
+        # A private copy: the engine thread decodes with its own while the tokenizing thread below
+        # encodes with this one (and the event loop decodes logprob labels with it: read-only calls).
         self.tokenizer = copy.deepcopy(tok) if tok is not None else None
+        # Tokenizing and templating run in this one thread, not on the event loop: a 4 MB
+        # prompt takes seconds, which would stall every stream (the tokenizer releases the GIL).
+        self._prepare_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mambaserve-tokenize")
+
+    async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> "_Job":
+        """`prepare_completion` or `prepare_chat` of `req`, in the tokenizing thread."""
+        fn = self.prepare_chat if isinstance(req, ChatCompletionRequest) else self.prepare_completion
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_thread, fn, req)
+
+    def close(self) -> None:
+        self._prepare_thread.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ validation
     def check_model(self, name: str | None) -> None:

@@ -190,6 +190,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             yield
         finally:
             await asyncio.to_thread(engine.stop)
+            serving.close()
 
     app = FastAPI(title="mambaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -231,7 +232,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        job = serving.prepare_completion(body)
+        job = await serving.prepare(body)
         stream = await serving.submit(job)
         if job.stream:
             return EventStreamResponse(serving.completion_events(job, stream), on_close=stream.abort)
@@ -239,7 +240,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        job = serving.prepare_chat(body)
+        job = await serving.prepare(body)
         stream = await serving.submit(job)
         if job.stream:
             return EventStreamResponse(serving.chat_events(job, stream), on_close=stream.abort)

@@ -7,6 +7,8 @@ One server (no API key) for the module, started as `tests/entrypoints/test_serve
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -87,3 +89,38 @@ def test_null_means_default_for_openai_nullable_fields(base_url):
     r = httpx.post(f"{base_url}/v1/completions", timeout=60,
                    json={"prompt": [5] * 2020, "max_tokens": None, "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2048 - 2020
+
+
+def test_tokenizing_a_big_prompt_does_not_stall_the_server(served, monkeypatch):
+    """Prompts used to be tokenized on the event loop: one 4 MB prompt (a few seconds of
+    tokenizing) stopped every stream and /health meanwhile."""
+    url, server = served
+    serving = server.config.app.state.serving
+    slow_calls = []
+
+    class SlowTokenizer:  # takes 2 s to encode (and, as the real one does, releases the GIL)
+        def __init__(self, tok):
+            self._tok = tok
+
+        def __call__(self, *args, **kwargs):
+            slow_calls.append(1)
+            time.sleep(2.0)
+            return self._tok(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self._tok, name)
+
+    monkeypatch.setattr(serving, "tokenizer", SlowTokenizer(serving.tokenizer))
+    done = []
+    t = threading.Thread(target=lambda: done.append(httpx.post(
+        f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=30)))
+    t.start()
+    deadline = time.monotonic() + 5
+    while not slow_calls:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    start = time.monotonic()
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    assert time.monotonic() - start < 1.0, "the event loop was blocked by tokenization"
+    t.join(30)
+    assert done and done[0].status_code == 200, done and done[0].text
