@@ -122,4 +122,6 @@ class ForwardContext:
             max_seq_len=max(seq_lens, default=0),
             mamba_caches=mamba_caches or [],
             kv_caches=kv_caches or [],
+            # the kernels plan their work from these host copies instead of syncing the device
+            metadata={"query_start_loc_host": offsets, "seq_lens_host": list(seq_lens)},
         )

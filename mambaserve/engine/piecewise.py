@@ -145,5 +145,9 @@ class PiecewiseGraphRunner:
         piece.graphs[0].replay()
         for (fn, args, out), graph in zip(piece.holes, piece.graphs[1:]):
             out.copy_(fn(*args, ctx))
+            if T > t:
+                # the split ops leave the padding rows unwritten: zero them, so that no NaN from
+                # stale memory reaches the graphs (MoE routing of a NaN row, for one)
+                out[t:T].zero_()
             graph.replay()
         return piece.output[:t]

@@ -174,7 +174,8 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
     v = row
     for k in tl.static_range(TOP_K):
         m = tl.max(v, 0)
-        idx = tl.min(tl.where(v == m, offs, BLOCK_E), 0)
+        # a row of NaN (a padding row of a graphed step) matches nothing: keep its ids in range
+        idx = tl.minimum(tl.min(tl.where(v == m, offs, BLOCK_E), 0), num_experts - 1)
         tl.store(ids_ptr + t * TOP_K + k, idx)
         tl.store(w_ptr + t * TOP_K + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
         v = tl.where(offs == idx, float("-inf"), v)
