@@ -117,6 +117,9 @@ class LLMEngine:
         text, token_ids = self._parse_prompt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
+        if params.stop and self.detokenizer is None:
+            raise ValueError("stop strings need a tokenizer (this engine runs with skip_tokenizer_init=True): "
+                             "use stop_token_ids")
         vocab = self.runner.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")

@@ -283,3 +283,10 @@ def test_prompt_logprobs_of_a_one_token_prompt_is_one_none():
     assert outs[0].prompt_logprobs == [None]
     assert outs[1].prompt_logprobs[0] is None and 6 in outs[1].prompt_logprobs[1]
     assert_pools_empty(llm)
+
+
+def test_stop_strings_without_a_tokenizer_are_refused():
+    llm = make("bamba")
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(stop=["x"]), use_tqdm=False)
+    assert_pools_empty(llm)
