@@ -133,7 +133,8 @@ class LLMEngine:
         for i in range(params.n):
             p = params
             if params.n > 1 and params.seed is not None:
-                p = dataclasses.replace(params, seed=params.seed + i)
+                # completion i draws from seed + i, wrapped into the signed 64-bit range
+                p = dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Sequence(seq_id, prompt_token_ids=token_ids, sampling_params=p, prompt=text, arrival_time=now))
         # "a" with n=2 has sequences "a#0" and "a#1": refuse a request whose sequence ids are taken

@@ -290,3 +290,11 @@ def test_stop_strings_without_a_tokenizer_are_refused():
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
         llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(stop=["x"]), use_tqdm=False)
     assert_pools_empty(llm)
+
+
+def test_n_completions_with_the_largest_seed():
+    llm = make("bamba")
+    out = llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(n=3, seed=2**63 - 1, temperature=1.0, max_tokens=3),
+                       use_tqdm=False)[0]
+    assert len(out.outputs) == 3
+    assert_pools_empty(llm)
