@@ -94,6 +94,13 @@ class SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     user: str | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        # as OpenAI and vLLM: stream_options only means something for a streamed response
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, a list of strings, a list of token ids or a list

@@ -230,6 +230,15 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
         return _json(200, ModelList(data=[card]).model_dump_json())
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """One model card, as OpenAI's retrieve-model; 404 for another name."""
+        if model_id != served_model_name:
+            return error_response(ApiError(404, f"The model `{model_id}` does not exist.", type="not_found_error",
+                                           param="model", code="model_not_found"))
+        card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
+        return _json(200, card.model_dump_json())
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         job = await serving.prepare(body)

@@ -124,3 +124,23 @@ def test_tokenizing_a_big_prompt_does_not_stall_the_server(served, monkeypatch):
     assert time.monotonic() - start < 1.0, "the event loop was blocked by tokenization"
     t.join(30)
     assert done and done[0].status_code == 200, done and done[0].text
+
+
+def test_retrieve_model_and_unknown_model(base_url):
+    """The openai client's models.retrieve(id) is GET /v1/models/{id}."""
+    from openai import NotFoundError, OpenAI
+
+    name = httpx.get(f"{base_url}/v1/models", timeout=10).json()["data"][0]["id"]
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none")
+    assert client.models.retrieve(name).id == name
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_stream_options_without_stream_is_a_400(base_url):
+    r = httpx.post(f"{base_url}/v1/completions", timeout=10,
+                   json={"prompt": "a", "max_tokens": 1, "stream_options": {"include_usage": True}})
+    _error(r, 400)
+    r = httpx.post(f"{base_url}/v1/completions", timeout=10,
+                   json={"prompt": "a", "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and "data: [DONE]" in r.text
