@@ -214,7 +214,7 @@ class OpenAIServing:
             if isinstance(m.content, list):
                 if any(part.type != "text" for part in m.content):
                     raise ApiError(400, "only text content parts are supported", param="messages")
-                msg["content"] = "".join(part.text or "" for part in m.content)
+                msg["content"] = "\n".join(part.text or "" for part in m.content)  # as vLLM joins text parts
             messages.append(msg)
         kwargs = dict(req.chat_template_kwargs or {})
         if "chat_template" in kwargs:
