@@ -15,7 +15,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
 def make(name, **kw):
+    """An engine on the CPU reference path (the GPU path has its own tests in test_gpu.py)."""
     kw.setdefault("dtype", "float32")
+    kw.setdefault("device", "cpu")
     return LLM(checkpoint(name), skip_tokenizer_init=True, **kw)
 
 
