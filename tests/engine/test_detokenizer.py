@@ -37,7 +37,7 @@ def test_random_token_streams_never_emit_broken_characters(tok):
 
 
 def test_stop_strings_cut_the_text():
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", device="cpu")
     base = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
     stop = base.text[5:9]
     assert stop and stop in base.text
@@ -52,7 +52,7 @@ def test_stop_strings_cut_the_text():
 
 
 def test_stop_token_text_is_left_out():
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", device="cpu")
     base = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
     stop_tok = base.token_ids[6]
     out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]),
@@ -66,7 +66,7 @@ def test_stop_token_text_is_left_out():
 def test_stop_strings_wait_for_min_tokens():
     # vLLM: stop strings count only once more than min_tokens tokens exist, and only in the text
     # that is new from then on; an occurrence inside the first min_tokens tokens never stops it
-    llm = LLM(dtype="float32")
+    llm = LLM(dtype="float32", device="cpu")
     tok = llm.get_tokenizer()
     base = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
     min_tokens = 8
