@@ -203,7 +203,10 @@ class LLMEngine:
                 self._store_prompt_logprobs(s.seq, *result.prompt_logits[s.seq.request_id])
             elif s.seq.sampling_params.prompt_logprobs is not None and s.seq.prompt_logprobs is None:
                 s.seq.prompt_logprobs = [None] * s.seq.num_prompt_tokens  # a one-token prompt: [None]
-        self.stats["prompt_tokens"] += sum(s.num_new_tokens for s in sched.scheduled if s.seq.num_output_tokens == 0)
+        # prompt tokens computed for the first time (a recompute after preemption is not counted)
+        self.stats["prompt_tokens"] += sum(
+            max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - (s.seq.num_computed_tokens - s.num_new_tokens))
+            for s in sched.scheduled if s.seq.num_preemptions == 0)
         self.stats["steps"] += 1
         if sampled is not None:
             now = time.time()

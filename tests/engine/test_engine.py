@@ -300,3 +300,14 @@ def test_n_completions_with_the_largest_seed():
                        use_tqdm=False)[0]
     assert len(out.outputs) == 3
     assert_pools_empty(llm)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=7), dict(block_size=4, num_kv_blocks=12, max_model_len=48)])
+def test_prompt_and_generation_token_counters(kw):
+    """Counted once each, also when chunked or recomputed after preemption."""
+    llm = make("granite-moe", **kw)
+    prompts = prompts_for("granite-moe")
+    outs = run(llm, prompts)
+    stats = llm.llm_engine.stats
+    assert stats["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert stats["generation_tokens"] == sum(len(o) for o in outs)
