@@ -195,39 +195,31 @@ class ModelRunner:
         )
         return ctx, ids, positions
 
-    def _graphable(self, scheduled: list[ScheduledSequence]) -> bool:
-        g = self.decode_graphs
-        return g is not None and len(scheduled) <= g.max_size and self._decode_only(scheduled)
-
-    @staticmethod
-    def _decode_only(scheduled: list[ScheduledSequence]) -> bool:
-        # a decode never needs prompt logits: its prompt was fully computed in earlier steps
-        return all(s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0
-                   and s.seq.num_computed_tokens + 1 == s.seq.num_tokens for s in scheduled)
-
     @staticmethod
     def _one_token_each(scheduled: list[ScheduledSequence]) -> bool:
-        # the context's decode_only: one new token with a state each (decodes, or one-token
-        # chunks of prompts), which the decode kernels run with exactly one row per sequence
+        """The forward context's decode_only: one new token with a state per sequence (decodes,
+        or one-token chunks of prompts). The decode kernels then take exactly one row per
+        sequence: such a step runs in the full decode graphs, or eagerly, never padded."""
         return all(s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0 for s in scheduled)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
         """Run one forward over the scheduled batch and return the logits that are needed."""
-        if self._graphable(scheduled):
-            seqs = [s.seq for s in scheduled]
-            logits = self.decode_graphs.run(
-                [seq.get_token_ids(seq.num_computed_tokens, seq.num_computed_tokens + 1)[0] for seq in seqs],
-                [seq.num_computed_tokens for seq in seqs],
-                [seq.state_slot for seq in seqs],
-                [seq.block_table for seq in seqs] if self.has_attention else None)
-            return StepLogits(seqs, logits, {})
-        num_tokens = sum(s.num_new_tokens for s in scheduled)
-        padded = None
-        # decode-only contexts (also one-token prompt chunks) that missed the full graphs run
-        # eagerly: the decode kernels take exactly one row per sequence, no padding rows
-        if self.piecewise_graphs is not None and not self._one_token_each(scheduled):
-            padded = self.piecewise_graphs.padded_size(num_tokens)
+        if self._one_token_each(scheduled):
+            graphs = self.decode_graphs
+            if graphs is not None and len(scheduled) <= graphs.max_size:
+                seqs = [s.seq for s in scheduled]
+                all_logits = graphs.run(
+                    [seq.get_token_ids(seq.num_computed_tokens, seq.num_computed_tokens + 1)[0] for seq in seqs],
+                    [seq.num_computed_tokens for seq in seqs],
+                    [seq.state_slot for seq in seqs],
+                    [seq.block_table for seq in seqs] if self.has_attention else None)  # (batch, vocab)
+                return self._needed_logits(scheduled, lambda rows: all_logits[rows])
+            padded = None
+        else:
+            num_tokens = sum(s.num_new_tokens for s in scheduled)
+            graphs = self.piecewise_graphs
+            padded = graphs.padded_size(num_tokens) if graphs is not None else None
         ctx, ids, positions = self.build_context(scheduled, pad_to=padded)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -235,6 +227,11 @@ class ModelRunner:
             hidden = self.piecewise_graphs.run(input_ids, pos, ctx)
         else:
             hidden = self.model(input_ids, pos, ctx)
+        return self._needed_logits(scheduled, lambda rows: self.model.compute_logits(hidden[rows]))
+
+    def _needed_logits(self, scheduled: list[ScheduledSequence], logits_of) -> StepLogits:
+        """The rows to sample from (each sequence reaching its end) and the prompt rows of
+        sequences that asked for prompt logprobs; logits_of(rows) gives their logits."""
         rows, sample_seqs, prompt_rows = [], [], []
         offset = 0
         for s in scheduled:
@@ -246,11 +243,11 @@ class ModelRunner:
             if seq.sampling_params.prompt_logprobs is not None:
                 prompt_rows.append((seq, offset, start, n))
             offset += n
-        sample_logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]) if rows else None
+        sample_logits = logits_of(torch.tensor(rows, device=self.device)) if rows else None
         prompt_logits = {}
         for seq, off, start, n in prompt_rows:
             # logits of prompt positions start..start+n-1 that predict a prompt token
             m = min(n, seq.num_prompt_tokens - 1 - start)
             if m > 0:
-                prompt_logits[seq.request_id] = (start, self.model.compute_logits(hidden[off : off + m]))
+                prompt_logits[seq.request_id] = (start, logits_of(slice(off, off + m)))
         return StepLogits(sample_seqs, sample_logits, prompt_logits)
