@@ -38,3 +38,35 @@ def _seed(request):
 def nan_empty(*shape, dtype=torch.float32, device="cpu"):
     """torch.empty filled with NaN, so that any element a kernel forgets to write fails the test."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_greedy_close(a: list[tuple[list[int], list[dict[int, float]]]],
+                        b: list[tuple[list[int], list[dict[int, float]]]], *, max_gap: float = 0.25,
+                        logprob_tol: float = 0.25) -> list[int | None]:
+    """Two greedy runs of the same sequences in reduced precision (bfloat16): per sequence,
+    (generated token ids, one {token: logprob} dict of the top candidates per step).
+
+    Tokens must be equal until the first step where they differ; at that step each run's token
+    must be among the other's candidates, less than `max_gap` nats below the other's choice in
+    both runs: a near tie that rounding (another kernel, another padded shape) may flip, after
+    which the two continuations are unrelated and are not compared. Where both runs list a
+    token, their logprobs differ by less than `logprob_tol`. Returns the first differing step
+    per sequence (None where all are equal). A real bug moves logprobs by far more.
+    """
+    assert len(a) == len(b)
+    first = []
+    for i, ((ta, la), (tb, lb)) in enumerate(zip(a, b)):
+        assert len(ta) == len(tb), f"sequence {i}: {len(ta)} vs {len(tb)} tokens"
+        diverged = None
+        for t, (x, y) in enumerate(zip(ta, tb)):
+            for tok in set(la[t]) & set(lb[t]):
+                assert abs(la[t][tok] - lb[t][tok]) < logprob_tol, (
+                    f"sequence {i} step {t}: logprob of token {tok} {la[t][tok]:.4f} vs {lb[t][tok]:.4f}")
+            if x != y:
+                assert y in la[t] and x in lb[t], f"sequence {i} step {t}: {x} vs {y}, not in each other's candidates"
+                gaps = (la[t][x] - la[t][y], lb[t][y] - lb[t][x])
+                assert max(gaps) < max_gap, f"sequence {i} step {t}: {x} vs {y} is no near tie (gaps {gaps})"
+                diverged = t
+                break
+        first.append(diverged)
+    return first

@@ -39,8 +39,6 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.resolved_device())
-        if self.device.type == "cuda" and config.block_size < 8:
-            raise ValueError(f"block_size must be at least 8 on the GPU (paged attention kernel), got {config.block_size}")
         t0 = time.perf_counter()
         self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = load_model(config.model, dtype=config.dtype, device=self.device,

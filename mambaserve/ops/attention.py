@@ -360,7 +360,7 @@ def paged_attention_triton(
 
     q: (num_tokens, num_heads, head_dim) float16/bfloat16/float32, head_dim stride 1;
     k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), q's dtype, already
-    holding this step's keys, head_dim stride 1; block_size a power of two >= 8;
+    holding this step's keys, head_dim stride 1; any block_size >= 1 (keys are gathered one by one);
     block_table: (batch, max_blocks_per_seq) int32; seq_lens: (batch,) int32, context length
     after this step; query_start_loc: (batch + 1,) int32; scale: softmax scale.
     metadata: the step's dict (the plan is cached in it) or None; when it holds host lists
@@ -382,8 +382,8 @@ def paged_attention_triton(
         raise ValueError(f"cache head_dim {cache_dim} vs q {head_dim}; num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q and caches must share a float16/bfloat16/float32 dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 8, got {block_size}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
     if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("k_cache and v_cache must have stride 1 along head_dim")
     batch = query_start_loc.numel() - 1

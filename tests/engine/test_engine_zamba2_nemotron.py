@@ -53,6 +53,8 @@ def _gen(llm, prompts, params):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_greedy_equals_cpu_float32(name):
     from mambaserve import LLM, SamplingParams
+    from tests.conftest import assert_greedy_close
+    from tests.engine.test_gpu import gen_with_logprobs
     from tests.models.tiny import checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -81,4 +83,8 @@ def test_gpu_graphs_equal_eager(name, dtype):
     graphed = LLM(checkpoint(name), **kw)
     assert graphed.llm_engine.runner.decode_graphs is not None
     for batch in ([prompts[0]], prompts[:3], prompts[:9]):
-        assert _gen(graphed, batch, params) == _gen(eager, batch, params)
+        if dtype == "float32":
+            assert _gen(graphed, batch, params) == _gen(eager, batch, params)
+        else:  # bfloat16 rounding of other padded shapes may flip a near tie, never more
+            lp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+            assert_greedy_close(gen_with_logprobs(graphed, batch, lp), gen_with_logprobs(eager, batch, lp))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mambaserve import LLM, SamplingParams
+from tests.conftest import assert_greedy_close
 from tests.engine.test_engine import FAMILIES, prompts_for
 from tests.models.tiny import checkpoint
 
@@ -19,6 +20,13 @@ SHARE = 0.05
 def _gen(llm, prompts, params):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def gen_with_logprobs(llm, prompts, params):
+    """Greedy runs as `assert_greedy_close` takes them: (token ids, top-candidate logprobs)."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -35,15 +43,20 @@ def test_gpu_greedy_equals_cpu_float32(name):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_graphs_equal_eager_bf16(name):
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, logprobs=5)
     prompts = prompts_for(name, lens=(1, 2, 3, 9, 17, 30, 64, 5, 7))
     kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16],
               gpu_memory_utilization=SHARE)
     eager = LLM(checkpoint(name), enforce_eager=True, **kw)
     graphed = LLM(checkpoint(name), **kw)
     assert graphed.llm_engine.runner.decode_graphs is not None
+    diverged = []
     for batch in ([prompts[0]], prompts[:3], prompts[:9]):  # 1, 3 (padded to 4), 9 (padded to 16)
-        assert _gen(graphed, batch, params) == _gen(eager, batch, params)
+        # a padded batch multiplies in other cuBLAS kernels than the eager one: bfloat16 rounding
+        # may flip a near tie, never more
+        diverged += assert_greedy_close(gen_with_logprobs(graphed, batch, params), gen_with_logprobs(eager, batch, params))
+    print("first differing step per sequence (None: all 64 equal):", diverged)
+    assert diverged.count(None) >= len(diverged) // 2
 
 
 @pytest.mark.parametrize("name", ["granite-moe", "bamba"])

@@ -90,7 +90,33 @@ def hf_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
     _perturb(model, seed)
+    _per_group_gated_norm(model, config)
     return model
+
+
+def _per_group_gated_norm(model, config) -> None:
+    """Older transformers (5.17 on the GPU machine) normalise the Mamba2 gated RMSNorm of
+    Mamba2, Bamba and GraniteMoeHybrid over all n_groups groups at once; newer ones (5.24), like
+    mamba_ssm's RMSNormGated(group_size=d_ssm // ngroups) that the checkpoints were trained
+    with, normalise each group separately. With n_groups > 1 the old reference is wrong, so its
+    norm gets the per-group formula; the rest of the reference model is left as it is."""
+    n_groups = getattr(config, "mamba_n_groups", None) or getattr(config, "n_groups", 1)
+    if n_groups == 1:
+        return
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNormGated") and not hasattr(module, "group_size"):
+            module.group_size = module.weight.shape[0] // n_groups
+            module.forward = functools.partial(_gated_norm_per_group, module)
+
+
+def _gated_norm_per_group(norm, hidden_states, gate=None):
+    dtype = hidden_states.dtype
+    h = hidden_states.to(torch.float32)
+    if gate is not None:
+        h = h * torch.nn.functional.silu(gate.to(torch.float32))
+    g = h.view(*h.shape[:-1], -1, norm.group_size)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * g.view(h.shape).to(dtype)
 
 
 @torch.no_grad()

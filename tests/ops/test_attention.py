@@ -62,6 +62,15 @@ def test_paged_attention_mixed_batch(dtype, G, block_size):
     assert rel_err(out, _ref(q, kc, vc, bt, sl, qsl, scale)) < tolerance(dtype)
 
 
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_paged_attention_small_blocks(block_size):
+    """Pages smaller than a key tile (the parity harness uses 4): keys are gathered one by one."""
+    specs = _mixed_specs(max(block_size, 2))
+    q, kc, vc, bt, sl, qsl = _make_batch(specs, block_size, 2, 2, 32, torch.bfloat16, DEVICE)
+    out = paged_attention_triton(q, kc, vc, bt, sl, qsl, 0.3, num_splits=2)
+    assert rel_err(out, _ref(q, kc, vc, bt, sl, qsl, 0.3)) < tolerance(torch.bfloat16)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 5])
 def test_paged_attention_splits_and_nan_poisoned_out(num_splits):
     """Every split count gives the same function; every output element is written."""

@@ -1,0 +1,138 @@
+"""Where a step's GPU time goes: the CUDA kernels of one prefill and of one decode step, by name.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/profile_step.py --model granite-4.0-tiny-preview \
+        --output-json "$OUT/profile-granite.json"
+
+For one model of benchmarks/configs/ (random weights, bfloat16) it builds the engine in each of
+the modes given (`--modes eager,graphed`) and, with `torch.profiler` (CUDA activity), records
+- prefill: one batch of `--batch-size` prompts of `--input-len` tokens generating 1 token;
+- decode: the same batch generating `--decode-steps` + 1 tokens, minus the prefill run: what is
+  left is `--decode-steps` decode steps.
+It prints, per mode and phase, the number of kernels per step, their summed device time per
+step, the wall time per step, and the 25 kernels with the most device time. In graphed mode the
+kernels inside CUDA graph replays are listed where the profiler sees them (CUPTI does on CUDA 12).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _kernels(prof) -> dict[str, list[float]]:
+    """Device kernels of a profile: name -> [count, total microseconds]."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type.name != "CUDA":
+            continue
+        name = ev.name
+        if name.startswith("Memcpy") or name.startswith("Memset"):
+            name = name.split(" ")[0]
+        out[name][0] += 1
+        out[name][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+    return out
+
+
+def _profile_run(llm, prompts, params):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        sync()
+        wall = time.perf_counter() - t0
+    return _kernels(prof), wall
+
+
+def _diff(a, b):
+    out = {}
+    for k in set(a) | set(b):
+        c = a.get(k, [0, 0.0])[0] - b.get(k, [0, 0.0])[0]
+        t = a.get(k, [0, 0.0])[1] - b.get(k, [0, 0.0])[1]
+        if c or abs(t) > 1e-9:
+            out[k] = [c, t]
+    return out
+
+
+def _summary(kern: dict, steps: int, wall: float) -> dict:
+    rows = sorted(kern.items(), key=lambda kv: -kv[1][1])
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "kernels_per_step": sum(c for c, _ in kern.values()) / steps,
+        "kernel_ms_per_step": sum(t for _, t in kern.values()) / 1e3 / steps,
+        "top": [{"name": k[:160], "count_per_step": c / steps, "us_per_step": t / steps} for k, (c, t) in rows[:25]],
+    }
+
+
+def profile_mode(model: str, mode: str, args) -> dict:
+    import numpy as np
+    import torch
+
+    from mambaserve import LLM, SamplingParams
+    from mambaserve.benchmarks.datasets import random_token_ids
+
+    kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=args.input_len + args.decode_steps + 16, gpu_memory_utilization=args.share,
+              max_num_seqs=max(args.batch_size, 8))
+    if mode == "eager":
+        kw["enforce_eager"] = True
+    t0 = time.perf_counter()
+    llm = LLM(model, **kw)
+    build_s = time.perf_counter() - t0
+    rng = np.random.default_rng(0)
+    prompts = [random_token_ids(rng, args.input_len, llm.llm_engine.runner.vocab_size) for _ in range(args.batch_size)]
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    many = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], many, use_tqdm=False)  # warm-up (compiles)
+    pre, pre_wall = _profile_run(llm, prompts, one)
+    full, full_wall = _profile_run(llm, prompts, many)
+    res = {"build_s": build_s, "prefill": _summary(pre, 1, pre_wall),
+           "decode": _summary(_diff(full, pre), args.decode_steps, full_wall - pre_wall)}
+    for phase in ("prefill", "decode"):
+        s = res[phase]
+        print(f"[{model} {mode} {phase}] wall {s['wall_ms_per_step']:.3f} ms/step, {s['kernels_per_step']:.1f} "
+              f"kernels/step, kernel time {s['kernel_ms_per_step']:.3f} ms/step")
+        for row in s["top"][:25 if phase == "decode" else 15]:
+            print(f"    {row['us_per_step']:9.1f} us  x{row['count_per_step']:6.1f}  {row['name'][:110]}")
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="granite-4.0-tiny-preview")
+    ap.add_argument("--modes", default="eager,graphed")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--share", type=float, default=0.4, help="gpu_memory_utilization of each engine")
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args()
+    import torch
+
+    model = args.model if os.path.exists(args.model) else str(REPO / "benchmarks" / "configs" / f"{args.model}.json")
+    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model, "input_len": args.input_len,
+              "batch_size": args.batch_size, "decode_steps": args.decode_steps, "modes": {}}
+    for mode in args.modes.split(","):
+        result["modes"][mode] = profile_mode(model, mode, args)
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
