@@ -125,8 +125,8 @@ def test_paged_attention_empty_sequences_and_padding_rows():
 def test_paged_attention_rejects_bad_input():
     q, kc, vc, bt, sl, qsl = _make_batch([(2, 3)], 8, 1, 1, 16, torch.float32, DEVICE)
     with pytest.raises(ValueError, match="block_size"):
-        kc12 = torch.randn(4, 12, 1, 16, device=DEVICE)
-        paged_attention_triton(q, kc12, kc12, bt, sl, qsl, 1.0)
+        kc0 = torch.randn(4, 0, 1, 16, device=DEVICE)
+        paged_attention_triton(q, kc0, kc0, bt, sl, qsl, 1.0)
     with pytest.raises(ValueError, match="seq_lens"):  # fewer context tokens than new tokens
         paged_attention_triton(q, kc, vc, bt, torch.tensor([1], dtype=torch.int32, device=DEVICE), qsl, 1.0)
     with pytest.raises(ValueError, match="device"):
