@@ -32,3 +32,11 @@ class RMSNorm(nn.Module):
         hidden = x.shape[-1]
         out = ops.rms_norm_gated(x.reshape(-1, hidden), self.weight, None, self.eps, group_size=hidden)
         return out.view(x.shape)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+        """The residual add before this norm, fused with it: residual += alpha * x in place
+        (rounded once to residual's dtype), then returns self(residual). x, residual: (..., hidden),
+        residual contiguous (the model's own residual stream, never an input tensor)."""
+        hidden = x.shape[-1]
+        out = ops.fused_add_rms_norm(x.reshape(-1, hidden), residual.view(-1, hidden), self.weight, self.eps, alpha)
+        return out.view(x.shape)

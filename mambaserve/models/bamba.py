@@ -68,10 +68,12 @@ class BambaForCausalLM(HybridForCausalLM):
         self.make_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)  # (T, hidden)
-        for layer in self.model.layers:
-            x = layer.input_layernorm(h)
+        h = self.model.embed_tokens(input_ids)  # (T, hidden), the residual stream
+        layers = self.model.layers
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
             x = layer.mamba(x, ctx) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
-            h = h + x
-            h = h + layer.feed_forward(layer.pre_ff_layernorm(h))
-        return self.model.final_layernorm(h)
+            x = layer.feed_forward(layer.pre_ff_layernorm.add_and_norm(x, h))  # h += x first
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.final_layernorm
+            x = following.add_and_norm(x, h)
+        return x

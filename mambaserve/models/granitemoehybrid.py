@@ -74,15 +74,16 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         self.logits_scale = float(config.logits_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids) * self.embedding_multiplier  # (T, hidden)
+        h = self.model.embed_tokens(input_ids) * self.embedding_multiplier  # (T, hidden), the residual stream
         r = self.residual_multiplier
-        for layer in self.model.layers:
-            x = layer.input_layernorm(h)
+        layers = self.model.layers
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
             x = layer.mamba(x, ctx) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
-            h = torch.add(h, x, alpha=r)  # one kernel for h + r * x
-            x = layer.post_attention_layernorm(h)
+            x = layer.post_attention_layernorm.add_and_norm(x, h, r)  # h += r * x; x = norm(h)
             mlp = layer.shared_mlp(x)
             if layer.block_sparse_moe is not None:
                 mlp = mlp + layer.block_sparse_moe(x)
-            h = torch.add(h, mlp, alpha=r)
-        return self.model.norm(h)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x = following.add_and_norm(mlp, h, r)
+        return x

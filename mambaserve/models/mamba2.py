@@ -51,7 +51,10 @@ class Mamba2ForCausalLM(HybridForCausalLM):
         self.make_lm_head(self.backbone.embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)  # (T, hidden)
-        for layer in self.backbone.layers:
-            h = h + layer.mixer(layer.norm(h), ctx)
-        return self.backbone.norm_f(h)
+        h = self.backbone.embeddings(input_ids)  # (T, hidden), the residual stream
+        layers = self.backbone.layers
+        x = layers[0].norm(h)
+        for i, layer in enumerate(layers):
+            following = layers[i + 1].norm if i + 1 < len(layers) else self.backbone.norm_f
+            x = following.add_and_norm(layer.mixer(x, ctx), h)  # h += mixer(x); x = norm(h)
+        return x

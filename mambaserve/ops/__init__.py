@@ -25,6 +25,7 @@ from mambaserve.ops import reference
 
 __all__ = [
     "backend",
+    "fused_add_rms_norm",
     "current_backend",
     "causal_conv1d",
     "causal_conv1d_update",
@@ -272,6 +273,30 @@ def rms_norm_gated(
 
         return rms_norm_gated_triton(x, weight, z, eps, group_size, norm_before_gate)
     return reference.rms_norm_gated(x, weight, z, eps, group_size, norm_before_gate)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """residual <- residual + alpha * x in place (rounded once to residual's dtype), then
+    weight * rmsnorm(residual) (Zhang & Sennrich 2019), returned in x.dtype: a residual add
+    and the next layer's norm in one kernel.
+
+    x, residual: (num_tokens, hidden), residual with feature stride 1; weight: (hidden,).
+    Raises ValueError when shapes disagree.
+    """
+    _check(x.dim() == 2 and residual.shape == x.shape, f"x and residual must be one (num_tokens, hidden) shape, "
+           f"got {tuple(x.shape)}, {tuple(residual.shape)}")
+    _check(weight.shape == (x.shape[1],), "weight must be (hidden,)")
+    if _use_triton(x):
+        from mambaserve.ops.layernorm_gated import rms_norm_gated_triton
+
+        return rms_norm_gated_triton(x, weight, None, eps, x.shape[1], residual=residual, alpha=alpha)
+    return reference.fused_add_rms_norm(x, residual, weight, eps, alpha)
 
 
 def reshape_and_cache(

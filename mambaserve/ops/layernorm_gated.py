@@ -20,12 +20,14 @@ TILE_ELEMENTS = 4096  # rows per program = TILE_ELEMENTS // block_n (at least 1)
 
 @triton.jit
 def _rms_norm_gated_kernel(
-    x_ptr, w_ptr, z_ptr, out_ptr,
-    num_rows, group_size, eps,
-    stride_x_m, stride_z_m, stride_o_m,
+    x_ptr, w_ptr, z_ptr, out_ptr, res_ptr,
+    num_rows, group_size, eps, alpha,
+    stride_x_m, stride_z_m, stride_o_m, stride_r_m,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # HAS_RESIDUAL: res <- res + alpha * x (rounded to res's dtype, stored in place) and the
+    # rounded sum is what gets normalised: the residual stream's add fused into the next norm.
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -38,6 +40,11 @@ def _rms_norm_gated_kernel(
         mask = row_mask[:, None] & (cols < group_size)[None, :]
         c = col0 + cols
         v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r_ptrs = res_ptr + rows[:, None] * stride_r_m + c[None, :]
+            r = (tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32) + alpha * v).to(res_ptr.dtype.element_ty)
+            tl.store(r_ptrs, r, mask=mask)
+            v = r.to(tl.float32)
         if HAS_Z:
             zv = tl.load(z_ptr + rows[:, None] * stride_z_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
             if not NORM_BEFORE_GATE:
@@ -55,6 +62,11 @@ def _rms_norm_gated_kernel(
             c = col0 + n0 + cols
             mask = row_mask[:, None] & (n0 + cols < group_size)[None, :]
             v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:
+                r_ptrs = res_ptr + rows[:, None] * stride_r_m + c[None, :]
+                r = (tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32) + alpha * v).to(res_ptr.dtype.element_ty)
+                tl.store(r_ptrs, r, mask=mask)
+                v = r.to(tl.float32)
             if HAS_Z:
                 if not NORM_BEFORE_GATE:
                     zv = tl.load(z_ptr + rows[:, None] * stride_z_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -64,7 +76,10 @@ def _rms_norm_gated_kernel(
         for n0 in range(0, group_size, BLOCK_N):
             c = col0 + n0 + cols
             mask = row_mask[:, None] & (n0 + cols < group_size)[None, :]
-            v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            if HAS_RESIDUAL:  # the updated residual, written by this program in the first pass
+                v = tl.load(res_ptr + rows[:, None] * stride_r_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            else:
+                v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_Z:
                 zv = tl.load(z_ptr + rows[:, None] * stride_z_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
                 if not NORM_BEFORE_GATE:
@@ -84,12 +99,16 @@ def rms_norm_gated_triton(
     eps: float,
     group_size: int,
     norm_before_gate: bool = False,
+    residual: torch.Tensor | None = None,
+    alpha: float = 1.0,
 ) -> torch.Tensor:
     """Gated RMSNorm over groups of group_size features.
 
     x, z: (num_tokens, hidden), any row stride (a non-unit feature stride is copied first);
     weight: (hidden,); hidden % group_size == 0. norm_before_gate=False computes
     weight * rmsnorm_g(x * silu(z)); True computes weight * rmsnorm_g(x) * silu(z).
+    residual: optional (num_tokens, hidden) tensor, feature stride 1, updated in place to
+    residual + alpha * x (rounded to its dtype); the norm then applies to that sum instead of x.
     Returns a contiguous (num_tokens, hidden) tensor in x.dtype.
     """
     num_rows, hidden = x.shape
@@ -108,11 +127,14 @@ def rms_norm_gated_triton(
     block_m = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(num_rows)))
     num_warps = 4 if block_m * block_n <= 2048 else 8
     zz = z if z is not None else x
+    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
+        raise ValueError(f"residual must be {tuple(x.shape)} with stride 1 along features")
+    rr = residual if residual is not None else x
     grid = (triton.cdiv(num_rows, block_m), hidden // group_size)
     _rms_norm_gated_kernel[grid](
-        x, weight, zz, out, num_rows, group_size, eps,
-        x.stride(0), zz.stride(0), out.stride(0),
+        x, weight, zz, out, rr, num_rows, group_size, eps, float(alpha),
+        x.stride(0), zz.stride(0), out.stride(0), rr.stride(0),
         HAS_Z=z is not None, NORM_BEFORE_GATE=bool(norm_before_gate), SINGLE_PASS=single,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )
     return out

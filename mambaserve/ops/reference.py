@@ -290,6 +290,23 @@ def rms_norm_gated(
     return h.to(x.dtype)
 
 
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """The residual stream's add and the next RMSNorm (Zhang & Sennrich 2019) in one op.
+
+    x, residual: (num_tokens, hidden); weight: (hidden,). residual is updated in place to
+    residual + alpha * x, rounded once to residual's dtype (as `torch.add(residual, x,
+    alpha=alpha)`); returns weight * rmsnorm(updated residual), computed in float32, in x.dtype.
+    """
+    residual.copy_(torch.add(residual, x, alpha=alpha))
+    return rms_norm_gated(residual, weight, None, eps, residual.shape[-1]).to(x.dtype)
+
+
 def reshape_and_cache(
     k: torch.Tensor,
     v: torch.Tensor,

@@ -45,3 +45,33 @@ def test_rms_norm_gated_long_prompt_gpu(poison_empty):
     z = torch.randn(31500, 6448, device="cuda", dtype=torch.bfloat16)[:, :3072]
     w = torch.randn(3072, device="cuda", dtype=torch.bfloat16)
     _check(x, w, z, 3072, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_fused_add_rms_norm(device, dtype, two_pass, poison_empty, monkeypatch):
+    """The residual add fused into the norm: the residual is updated in place exactly as
+    torch.add(residual, x, alpha) rounds it, and the norm of the updated residual matches the
+    float64 reference."""
+    if two_pass:
+        monkeypatch.setattr(layernorm_gated, "MAX_BLOCK_N", 32)
+    T, hidden = 11, 72
+    x = torch.randn(T, hidden + 8, device=device).to(dtype)[:, 8:]  # a column slice
+    residual = torch.randn(T, hidden, device=device).to(dtype)
+    w = torch.randn(hidden, device=device).to(dtype)
+    alpha = 0.37
+    before = residual.clone()
+    exact = before.double() + alpha * x.double()
+    # within rounding of the exact sum (the interpreter rounds bfloat16 by truncation)
+    bound = 2 * torch.finfo(dtype).eps * (before.double().abs() + alpha * x.double().abs())
+    expected = ref.rms_norm_gated(exact, w.double(), None, 1e-5, hidden)
+    with ops.backend("triton"):
+        out = ops.fused_add_rms_norm(x, residual, w, 1e-5, alpha)
+    assert residual.dtype == dtype and bool(((residual.double() - exact).abs() <= bound).all())
+    assert out.dtype == dtype and rel_err(out, expected) < tolerance(dtype)
+    # the reference op agrees with itself the same way
+    res2 = before.clone()
+    out_ref = ref.fused_add_rms_norm(x, res2, w, 1e-5, 1.0)
+    assert torch.equal(res2, torch.add(before, x))
+    assert rel_err(out_ref, ref.rms_norm_gated(res2.double(), w.double(), None, 1e-5, hidden)) < tolerance(dtype)
