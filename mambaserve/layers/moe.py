@@ -46,10 +46,12 @@ class GraniteMoE(nn.Module):
         self.input_linear = _ExpertWeights(num_experts, 2 * intermediate_size, hidden_size)
         self.output_linear = _ExpertWeights(num_experts, hidden_size, intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden); add (T, hidden), e.g. the shared expert's output, is
+        added inside the MoE's last kernel."""
         logits = F.linear(x, self.router.layer.weight)  # (T, E)
         top_weights, top_ids = ops.topk_softmax(logits, self.top_k, x.dtype)  # (T, k) each
-        return ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids)
+        return ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids, add)
 
 
 class SigmoidGroupRouter(nn.Module):

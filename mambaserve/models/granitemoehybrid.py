@@ -83,7 +83,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
             x = layer.post_attention_layernorm.add_and_norm(x, h, r)  # h += r * x; x = norm(h)
             mlp = layer.shared_mlp(x)
             if layer.block_sparse_moe is not None:
-                mlp = mlp + layer.block_sparse_moe(x)
+                mlp = layer.block_sparse_moe(x, add=mlp)  # routed experts + shared expert
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = following.add_and_norm(mlp, h, r)
         return x

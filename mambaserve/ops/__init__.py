@@ -362,13 +362,16 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU-gated mixture of experts over routed tokens.
 
     hidden_states: (num_tokens, hidden); w1: (num_experts, 2 * inter, hidden) with the gate
     rows first, then the up rows; w2: (num_experts, hidden, inter); topk_weights:
-    (num_tokens, top_k); topk_ids: (num_tokens, top_k) int. Returns (num_tokens, hidden).
-    Math: `reference.fused_moe`. Raises ValueError on inconsistent shapes.
+    (num_tokens, top_k); topk_ids: (num_tokens, top_k) int. add: optional (num_tokens,
+    hidden) tensor added before the result is rounded (a shared expert's output).
+    Returns (num_tokens, hidden). Math: `reference.fused_moe`. Raises ValueError on
+    inconsistent shapes.
     """
     _check(hidden_states.dim() == 2, "hidden_states must be (num_tokens, hidden)")
     E, two_i, Hd = w1.shape
@@ -376,11 +379,12 @@ def fused_moe(
     _check(w2.shape == (E, Hd, two_i // 2), f"w2 must be ({E}, {Hd}, {two_i // 2})")
     _check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == hidden_states.shape[0],
            "topk_ids and topk_weights must be (num_tokens, top_k)")
+    _check(add is None or add.shape == hidden_states.shape, "add must have hidden_states' shape")
     if _use_triton(hidden_states):
         from mambaserve.ops.moe import fused_moe_triton
 
-        return fused_moe_triton(hidden_states, w1, w2, topk_weights, topk_ids)
-    return reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids)
+        return fused_moe_triton(hidden_states, w1, w2, topk_weights, topk_ids, add=add)
+    return reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add)
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None):

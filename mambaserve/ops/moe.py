@@ -88,9 +88,9 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_y, stride_o,
-                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = sum_k w[t, k] * y[inv[t, k]], the k terms added in order, in float32."""
+def _combine_kernel(y_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, hidden, stride_y, stride_a, stride_o,
+                    TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = (add[t] +) sum_k w[t, k] * y[inv[t, k]], the k terms added in order, in float32."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -99,60 +99,81 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, out_ptr, hidden, stride_y, stride_o,
         row = tl.load(inv_ptr + t * TOP_K + k).to(tl.int64)
         w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
         acc += w * tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _direct_gate_up_kernel(x_ptr, w1_ptr, ids_ptr, act_ptr, hidden, inter, top_k,
-                           stride_x, stride_we, stride_wn, stride_a,
+def _direct_gate_up_kernel(x_ptr, w1_ptr, ids_ptr, part_ptr, hidden, inter, top_k,
+                           stride_x, stride_we, stride_wn, stride_pp, stride_ps,
                            BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-    """act[p, i] = silu(w1[e, i] . x[t]) * (w1[e, inter + i] . x[t]) for routed pair p = t * top_k + k,
-    e = ids[p]: a matrix-vector product that reads only the routed expert's rows."""
+    """Split-K partial sums of the routed pairs' gate and up rows, one tile per program.
+
+    For routed pair p = t * top_k + k (expert e = ids[p]), feature block s of BLOCK_H columns:
+    part[p, s, 0, i] = w1[e, i, s-block] . x[t, s-block] and part[p, s, 1, i] the same for the
+    up row inter + i. Every program loads one (BLOCK_I x BLOCK_H) tile of each: a decode step
+    has few pairs, and this spreads the expert weights over many programs (memory-bound)."""
     p = tl.program_id(0)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    s = tl.program_id(2)
     i_mask = offs_i < inter
     t = (p // top_k).to(tl.int64)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    w_rows = w1_ptr + e * stride_we + offs_i.to(tl.int64)[:, None] * stride_wn
-    up_off = inter * stride_wn
-    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_mask = offs_h < hidden
-        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-        m = i_mask[:, None] & h_mask[None, :]
-        wg = tl.load(w_rows + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-        wu = tl.load(w_rows + up_off + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-        acc_g += tl.sum(wg * xv[None, :], axis=1)
-        acc_u += tl.sum(wu * xv[None, :], axis=1)
-    act = acc_g * tl.sigmoid(acc_g) * acc_u
-    tl.store(act_ptr + p.to(tl.int64) * stride_a + offs_i, act, mask=i_mask)
+    offs_h = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < hidden
+    xv = tl.load(x_ptr + t * stride_x + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    w_rows = w1_ptr + e * stride_we + offs_i.to(tl.int64)[:, None] * stride_wn + offs_h[None, :]
+    m = i_mask[:, None] & h_mask[None, :]
+    wg = tl.load(w_rows, mask=m, other=0.0).to(tl.float32)
+    wu = tl.load(w_rows + inter * stride_wn, mask=m, other=0.0).to(tl.float32)
+    dst = part_ptr + p.to(tl.int64) * stride_pp + s * stride_ps + offs_i
+    tl.store(dst, tl.sum(wg * xv[None, :], axis=1), mask=i_mask)
+    tl.store(dst + inter, tl.sum(wu * xv[None, :], axis=1), mask=i_mask)
 
 
 @triton.jit
-def _direct_down_kernel(act_ptr, w2_ptr, ids_ptr, wts_ptr, out_ptr, hidden, inter,
-                        stride_a, stride_we, stride_wn, stride_o,
-                        TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
-    """out[t, n] = sum_k wts[t, k] * (w2[e_k, n] . act[t * TOP_K + k]), summed in a fixed order."""
-    t = tl.program_id(0).to(tl.int64)
+def _direct_down_kernel(part_ptr, w2_ptr, ids_ptr, wts_ptr, y_ptr, hidden, inter, num_splits,
+                        stride_pp, stride_ps, stride_we, stride_wn, stride_yp,
+                        BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    """y[p, n] = wts[p] * (w2[e, n] . act[p]) for routed pair p, expert e = ids[p], where
+    act[p, i] = silu(g) * u with g, u the sums of the gate/up kernel's split partials (in a
+    fixed order). One program: one pair, BLOCK_N output features."""
+    p = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hidden
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    weight = tl.load(wts_ptr + p).to(tl.float32)
+    w_rows = w2_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in range(TOP_K):
-        p = t * TOP_K + k
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        weight = tl.load(wts_ptr + p).to(tl.float32)
-        w_rows = w2_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-        part = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for i0 in range(0, inter, BLOCK_I):
-            offs_i = i0 + tl.arange(0, BLOCK_I)
-            i_mask = offs_i < inter
-            a = tl.load(act_ptr + p * stride_a + offs_i, mask=i_mask, other=0.0)
-            w = tl.load(w_rows + offs_i[None, :], mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
-            part += tl.sum(w * a[None, :], axis=1)
-        acc += weight * part
-    tl.store(out_ptr + t * stride_o + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    for i0 in range(0, inter, BLOCK_I):
+        offs_i = i0 + tl.arange(0, BLOCK_I)
+        i_mask = offs_i < inter
+        g = tl.zeros([BLOCK_I], dtype=tl.float32)
+        u = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for s in range(num_splits):
+            src = part_ptr + p * stride_pp + s * stride_ps + offs_i
+            g += tl.load(src, mask=i_mask, other=0.0)
+            u += tl.load(src + inter, mask=i_mask, other=0.0)
+        act = g * tl.sigmoid(g) * u
+        w = tl.load(w_rows + offs_i[None, :], mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * act[None, :], axis=1)
+    tl.store(y_ptr + p * stride_yp + offs_n, weight * acc, mask=n_mask)
+
+
+@triton.jit
+def _direct_combine_kernel(y_ptr, add_ptr, out_ptr, hidden, stride_a, stride_o,
+                           TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = (add[t] +) sum_k y[t * TOP_K + k], the terms added in order, in float32."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -198,22 +219,33 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype
 DIRECT_MAX_PAIRS = 32
 
 
-def _direct_moe(x, w1, w2, topk_weights, topk_ids, out):
+def _direct_config(on_gpu: bool) -> tuple[int, int, int, int]:
+    """(gate/up BLOCK_I, BLOCK_H, down BLOCK_N, BLOCK_I) of the direct kernels: on the GPU
+    tiles of 16 x 256 weights (8 KiB) per load, so that a decode step's few routed pairs still
+    spread over many programs; small tiles for the interpreter."""
+    return (16, 256, 16, 256) if on_gpu else (8, 32, 8, 32)
+
+
+def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add):
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
     num_pairs = num_tokens * top_k
     ids = topk_ids.contiguous()
-    act = torch.empty(num_pairs, inter, dtype=torch.float32, device=x.device)
-    # narrow tiles: a decode step has few pairs, and many programs keep the memory system busy
-    block_i = 16 if x.is_cuda else 8
-    _direct_gate_up_kernel[(num_pairs, triton.cdiv(inter, block_i))](
-        x, w1, ids, act, hidden, inter, top_k, x.stride(0), w1.stride(0), w1.stride(1), act.stride(0),
-        BLOCK_I=block_i, BLOCK_H=128 if x.is_cuda else 32)
-    block_n = 16 if x.is_cuda else 8
-    _direct_down_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        act, w2, ids, topk_weights.contiguous(), out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        out.stride(0), TOP_K=top_k, BLOCK_N=block_n, BLOCK_I=128 if x.is_cuda else 32)
+    bi, bh, bn, bi2 = _direct_config(x.is_cuda)
+    splits = triton.cdiv(hidden, bh)
+    part = torch.empty(num_pairs, splits, 2, inter, dtype=torch.float32, device=x.device)
+    _direct_gate_up_kernel[(num_pairs, triton.cdiv(inter, bi), splits)](
+        x, w1, ids, part, hidden, inter, top_k, x.stride(0), w1.stride(0), w1.stride(1),
+        part.stride(0), part.stride(1), BLOCK_I=bi, BLOCK_H=bh)
+    y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    _direct_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
+        part, w2, ids, topk_weights.contiguous(), y, hidden, inter, splits,
+        part.stride(0), part.stride(1), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_N=bn, BLOCK_I=bi2)
+    block = min(1024, _next_pow2(hidden))
+    _direct_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, add if add is not None else out, out, hidden, add.stride(0) if add is not None else 0, out.stride(0),
+        TOP_K=top_k, HAS_ADD=add is not None, BLOCK=block)
     return out
 
 
@@ -301,6 +333,7 @@ def fused_moe_triton(
     *,
     impl: str | None = None,
     out: torch.Tensor | None = None,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU-gated mixture of experts over top-k routed tokens, as grouped matrix products.
 
@@ -311,6 +344,8 @@ def fused_moe_triton(
     impl: None chooses ("direct" for at most DIRECT_MAX_PAIRS routed pairs, else "grouped_mm"
     where usable, else "triton"); tests and benchmarks force one.
     out: optional preallocated (num_tokens, hidden) result in hidden_states' dtype, stride 1.
+    add: optional (num_tokens, hidden) tensor (stride 1 along hidden) added to the result in
+    float32 before the one rounding (a shared expert's output: no separate add kernel).
     Returns (num_tokens, hidden) in hidden_states' dtype.
     Math: out[t] = sum_k w[t, k] * w2[e] (silu(g) * u), [g; u] = w1[e] x_t, e = ids[t, k]
     (Shazeer et al. 2017 top-k routing, GLU variants: Shazeer 2020); `reference.fused_moe`.
@@ -338,8 +373,10 @@ def fused_moe_triton(
         out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
     elif out.shape != hidden_states.shape or out.dtype != hidden_states.dtype or out.stride(1) != 1:
         raise ValueError(f"out must be {tuple(hidden_states.shape)} {hidden_states.dtype} with stride 1 along hidden")
+    if add is not None and (add.shape != (num_tokens, hidden) or add.stride(1) != 1):
+        raise ValueError(f"add must be ({num_tokens}, {hidden}) with stride 1 along hidden")
     if num_tokens == 0 or top_k == 0:
-        return out.zero_()
+        return out.copy_(add) if add is not None else out.zero_()
     if impl is None:
         if num_tokens * top_k <= DIRECT_MAX_PAIRS:
             impl = "direct"
@@ -350,7 +387,7 @@ def fused_moe_triton(
     w1 = w1 if w1.stride(2) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     if impl == "direct":
-        return _direct_moe(x, w1, w2, topk_weights, topk_ids, out)
+        return _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add)
     num_rows = num_tokens * top_k
     token_of, inv, offs = _route(topk_ids, num_experts)
     if impl == "grouped_mm":
@@ -368,5 +405,6 @@ def fused_moe_triton(
     weights = topk_weights.contiguous()
     block = min(1024, _next_pow2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, inv, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, BLOCK=block)
+        y, inv, weights, add if add is not None else out, out, hidden, y.stride(0),
+        add.stride(0) if add is not None else 0, out.stride(0), TOP_K=top_k, HAS_ADD=add is not None, BLOCK=block)
     return out

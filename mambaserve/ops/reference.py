@@ -376,17 +376,19 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    add: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mixture of SiLU-gated experts (Shazeer et al. 2017, top-k routing; GLU: Shazeer 2020).
 
     hidden_states: (num_tokens, hidden); w1: (num_experts, 2 * inter, hidden), rows [gate; up];
     w2: (num_experts, hidden, inter); topk_weights: (num_tokens, top_k) float;
     topk_ids: (num_tokens, top_k) int. out[t] = sum_k topk_weights[t, k] * expert_{ids[t,k]}(x_t)
-    with expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x. Returns (num_tokens, hidden).
+    with expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x, plus `add` (num_tokens,
+    hidden) when given (a shared expert's output), rounded once. Returns (num_tokens, hidden).
     """
     cdt = _compute_dtype(hidden_states)
     x = hidden_states.to(cdt)
-    out = torch.zeros_like(x)
+    out = torch.zeros_like(x) if add is None else add.to(cdt).clone()
     inter = w2.shape[-1]
     for e in torch.unique(topk_ids).tolist():
         tok, k = torch.where(topk_ids == e)

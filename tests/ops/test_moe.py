@@ -88,6 +88,21 @@ def test_fused_moe_rejects_bad_input():
         fused_moe_triton(x, w1, w2, tw, ti, impl="grouped_mm")  # float32 on CPU
 
 
+@pytest.mark.parametrize("impl", ["direct", "triton"])
+def test_fused_moe_adds_the_shared_output_and_splits_odd_sizes(impl):
+    """`add` (a shared expert's output) joins the sum before the one rounding; hidden 72 and
+    inter 40 are not multiples of the direct kernels' blocks (several splits and loop trips)."""
+    x, w1, w2, tw, ti = _make(3, 72, 40, 9, 4, torch.bfloat16, DEVICE, empty_experts=2)
+    add = torch.randn(3, 72 + 8, device=DEVICE).to(torch.bfloat16)[:, 8:]  # a column slice
+    out = nan_empty(*x.shape, dtype=torch.bfloat16, device=DEVICE)
+    fused_moe_triton(x, w1, w2, tw, ti, impl=impl, out=out, add=add)
+    ref = _ref(x, w1, w2, tw, ti) + add.double().to(_ref(x, w1, w2, tw, ti).dtype)
+    assert rel_err(out, ref) < tolerance(torch.bfloat16)
+    assert rel_err(out, reference.fused_moe(x.double(), w1.double(), w2.double(), tw.double(), ti, add)) < tolerance(torch.bfloat16)
+    with ops.backend("triton"):
+        assert torch.equal(ops.fused_moe(x, w1, w2, tw, ti, add) if impl == "direct" else out, out)
+
+
 # ---- GPU only: model-sized shapes ---------------------------------------------------------
 
 
@@ -107,6 +122,9 @@ def test_fused_moe_granite_shapes_gpu(impl, num_tokens):
     assert rel_err(out, _ref(x, w1, w2, tw, ti)) < tolerance(torch.bfloat16)
     again = fused_moe_triton(x, w1, w2, tw, ti, impl=impl)
     assert torch.equal(out, again), "fused_moe is not deterministic"
+    shared = torch.randn_like(x)
+    with_add = fused_moe_triton(x, w1, w2, tw, ti, impl=impl, add=shared)
+    assert rel_err(with_add, _ref(x, w1, w2, tw, ti) + shared.float()) < tolerance(torch.bfloat16)
 
 
 @gpu
