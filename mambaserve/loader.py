@@ -150,4 +150,7 @@ def load_model(
         if Path(model).is_file():
             raise ValueError(f"{model} is a bare config: use load_format='dummy'")
         load_weights(net, Path(model))
+    finalize = getattr(net, "finalize_weights", None)
+    if finalize is not None:  # layouts derived from the loaded weights (e.g. fused experts)
+        finalize()
     return net

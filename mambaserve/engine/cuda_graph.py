@@ -48,14 +48,20 @@ class DecodeGraphRunner:
         # Captured kernels plan for this context length; they read the real lengths at replay.
         self.plan_len = min(max_model_len, 8192)
         i32 = dict(dtype=torch.int32, device=device)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        # The per-step inputs live in two device buffers (int64: token ids, positions, KV slots;
+        # int32: state indices, sequence lengths) filled from pinned host mirrors by one copy
+        # each, padding rows included: a step costs two small copies, not one per input.
+        self._i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        self._i32 = torch.zeros(2, n, **i32)
+        self.input_ids, self.positions, self.slot_mapping = self._i64[0], self._i64[1], self._i64[2]
+        self.state_indices, self.seq_lens = self._i32[0], self._i32[1]
+        pin = device.type == "cuda"
+        self._host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
+        self._host_i32 = torch.zeros(2, n, dtype=torch.int32, pin_memory=pin)
+        self._copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten
         self.query_start_loc = torch.arange(n + 1, **i32)
-        self.seq_lens = torch.ones(n, **i32)
-        self.state_indices = torch.full((n,), -1, **i32)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
         self.block_table = torch.zeros(n, self.max_blocks if has_attention else 1, **i32)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.caches = caches
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -126,22 +132,27 @@ class DecodeGraphRunner:
         b = len(ids)
         bs = self.padded_size(b)
         assert bs is not None, "batch larger than the largest captured size"
-        host = torch.tensor([ids, positions, state_indices], dtype=torch.int64)
-        self.input_ids[:b].copy_(host[0], non_blocking=True)
-        self.positions[:b].copy_(host[1], non_blocking=True)
-        self.state_indices[:b].copy_(host[2], non_blocking=True)
-        self.seq_lens[:b].copy_(host[1] + 1, non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copies have read the mirrors
+        h64, h32 = self._host_i64.numpy(), self._host_i32.numpy()
+        pos = np.asarray(positions, dtype=np.int64)
+        h64[0, :b], h64[1, :b] = ids, pos
+        h32[0, :b], h32[1, :b] = state_indices, pos + 1
+        # padding rows: token 0 at position 0, no state (-1), no KV slot (-1), length 1
+        h64[0:2, b:bs], h64[2, b:bs], h32[0, b:bs], h32[1, b:bs] = 0, -1, -1, 1
         if self.has_attention:
             # numpy rows from lists: a few microseconds per sequence, where torch rows cost tens
             width = max(len(t) for t in block_tables)
             table = np.zeros((b, width), dtype=np.int32)
             for i, t in enumerate(block_tables):
                 table[i, : len(t)] = t
-            pos = np.asarray(positions, dtype=np.int64)
-            slots = table[np.arange(b), pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+            h64[2, :b] = table[np.arange(b), pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
             self.block_table[:b, :width].copy_(torch.from_numpy(table), non_blocking=True)
-            self.slot_mapping[:b].copy_(torch.from_numpy(slots), non_blocking=True)
-        if bs > b:
-            self._reset_padding(b)
+        else:
+            h64[2, :b] = -1
+        self._i64.copy_(self._host_i64, non_blocking=True)  # whole buffers: one contiguous copy each
+        self._i32.copy_(self._host_i32, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

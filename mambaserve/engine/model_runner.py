@@ -241,7 +241,11 @@ class ModelRunner:
             if seq.sampling_params.prompt_logprobs is not None:
                 prompt_rows.append((seq, offset, start, n))
             offset += n
-        sample_logits = logits_of(torch.tensor(rows, device=self.device)) if rows else None
+        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+            index = slice(rows[0], rows[0] + len(rows))  # every row (decodes): a view, no copy
+        else:
+            index = torch.tensor(rows, device=self.device) if rows else None
+        sample_logits = logits_of(index) if rows else None
         prompt_logits = {}
         for seq, off, start, n in prompt_rows:
             # logits of prompt positions start..start+n-1 that predict a prompt token

@@ -9,7 +9,7 @@ else (embeddings, projections, norms, MoE, residuals, logits) replays as graphs.
 
 A step of t <= T tokens runs in the smallest captured T; rows t..T-1 belong to no sequence
 (their KV slot is -1, no state is read or written for them) and their outputs are dropped.
-Large steps (long prefills) run eagerly: launch overhead is negligible there.
+Steps larger than the largest captured count (over 8,192 tokens) run eagerly.
 """
 
 from __future__ import annotations
@@ -26,8 +26,15 @@ logger = logging.getLogger("mambaserve")
 
 
 def default_piecewise_sizes(max_tokens: int) -> list[int]:
-    sizes = [8, 16, 32, 64, 128, 256, 512]
-    return [s for s in sizes if s <= max_tokens] or [max_tokens]
+    """Token counts to capture: powers of two up to 512, then steps of 1.5x / 1.33x (padding
+    wastes at most half a step) up to 8,192, and max_tokens itself when it is at most that.
+    Large steps are captured too: an eager 1,024-token step of a 40-layer hybrid spends several
+    times its GPU time launching kernels from Python."""
+    sizes = [8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    chosen = [s for s in sizes if s <= max_tokens]
+    if max_tokens <= sizes[-1] and max_tokens not in chosen:
+        chosen.append(max_tokens)
+    return chosen
 
 
 class _Piece:

@@ -37,7 +37,15 @@ class _ExpertWeights(nn.Module):
 
 
 class GraniteMoE(nn.Module):
-    """x: (num_tokens, hidden) -> (num_tokens, hidden)."""
+    """x: (num_tokens, hidden) -> (num_tokens, hidden).
+
+    A shared expert (Granite's `shared_mlp`) whose size is a multiple of the experts' can be
+    absorbed (`absorb_shared_expert`): it becomes n always-on extra experts of the same fused
+    MoE, each taking an equal slice of its gate, up and down weights (silu(g) * u is per
+    feature, so the slices sum to the shared expert exactly). One MoE then computes routed
+    and shared experts: at decode, three kernels instead of two matrix products, an activation
+    and an add beside the MoE's own.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
         super().__init__()
@@ -45,13 +53,47 @@ class GraniteMoE(nn.Module):
         self.router = _Router(hidden_size, num_experts)
         self.input_linear = _ExpertWeights(num_experts, 2 * intermediate_size, hidden_size)
         self.output_linear = _ExpertWeights(num_experts, hidden_size, intermediate_size)
+        self.num_shared = 0  # extra always-on experts holding an absorbed shared expert
+        self._w1_all = self._w2_all = None
+
+    @torch.no_grad()
+    def absorb_shared_expert(self, shared: nn.Module) -> bool:
+        """Move a FusedGatedMLP (input_linear (2S, H) = [gate; up], output_linear (H, S)) into
+        extra experts when S is a multiple of the expert size I: S / I experts. The routed
+        weights become views of the (E + S / I)-expert tensors (no second copy). Returns
+        False (and changes nothing) when the sizes don't fit."""
+        w1, w2 = self.input_linear.weight, self.output_linear.weight
+        E, two_i, H = w1.shape
+        inter = two_i // 2
+        s_in, s_out = shared.input_linear.weight, shared.output_linear.weight
+        S = s_in.shape[0] // 2
+        if S == 0 or S % inter or s_in.shape[1] != H or s_out.shape != (H, S) or s_in.dtype != w1.dtype:
+            return False
+        n = S // inter
+        w1_all = torch.empty(E + n, two_i, H, dtype=w1.dtype, device=w1.device)
+        w2_all = torch.empty(E + n, H, inter, dtype=w2.dtype, device=w2.device)
+        w1_all[:E], w2_all[:E] = w1, w2
+        for j in range(n):
+            rows = slice(j * inter, (j + 1) * inter)
+            w1_all[E + j, :inter] = s_in[:S][rows]  # gate slice
+            w1_all[E + j, inter:] = s_in[S:][rows]  # up slice
+            w2_all[E + j] = s_out[:, rows]
+        self.input_linear.weight = nn.Parameter(w1_all[:E], requires_grad=False)
+        self.output_linear.weight = nn.Parameter(w2_all[:E], requires_grad=False)
+        self._w1_all, self._w2_all, self.num_shared = w1_all, w2_all, n
+        return True
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden); add (T, hidden), e.g. the shared expert's output, is
         added inside the MoE's last kernel."""
         logits = F.linear(x, self.router.layer.weight)  # (T, E)
-        top_weights, top_ids = ops.topk_softmax(logits, self.top_k, x.dtype)  # (T, k) each
-        return ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids, add)
+        # (T, top_k + num_shared) each: the absorbed shared expert's slices are always on
+        top_weights, top_ids = ops.topk_softmax(logits, self.top_k, x.dtype, self.num_shared)
+        if self.num_shared:
+            w1, w2 = self._w1_all, self._w2_all
+        else:
+            w1, w2 = self.input_linear.weight, self.output_linear.weight
+        return ops.fused_moe(x, w1, w2, top_weights, top_ids, add)
 
 
 class SigmoidGroupRouter(nn.Module):

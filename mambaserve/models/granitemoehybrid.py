@@ -73,6 +73,13 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         self.residual_multiplier = float(config.residual_multiplier)
         self.logits_scale = float(config.logits_scaling)
 
+    def finalize_weights(self) -> None:
+        """After loading: each layer's shared expert joins its MoE as always-on experts when
+        the sizes allow (GraniteMoE.absorb_shared_expert); its own module is then dropped."""
+        for layer in self.model.layers:
+            if layer.block_sparse_moe is not None and layer.block_sparse_moe.absorb_shared_expert(layer.shared_mlp):
+                layer.shared_mlp = None
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids) * self.embedding_multiplier  # (T, hidden), the residual stream
         r = self.residual_multiplier
@@ -81,9 +88,12 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         for i, layer in enumerate(layers):
             x = layer.mamba(x, ctx) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
             x = layer.post_attention_layernorm.add_and_norm(x, h, r)  # h += r * x; x = norm(h)
-            mlp = layer.shared_mlp(x)
-            if layer.block_sparse_moe is not None:
-                mlp = layer.block_sparse_moe(x, add=mlp)  # routed experts + shared expert
+            if layer.shared_mlp is None:  # absorbed into the MoE (finalize_weights)
+                mlp = layer.block_sparse_moe(x)
+            else:
+                mlp = layer.shared_mlp(x)
+                if layer.block_sparse_moe is not None:
+                    mlp = layer.block_sparse_moe(x, add=mlp)  # routed experts + shared expert
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             x = following.add_and_norm(mlp, h, r)
         return x

@@ -387,22 +387,26 @@ def fused_moe(
     return reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None):
+def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None, num_shared: int = 0):
     """Top-k expert routing: the top_k largest logits of each row and a softmax over them.
 
     logits: (num_tokens, num_experts), any float dtype (compared in float32). Returns
-    (weights (num_tokens, top_k) in out_dtype (default logits.dtype), ids (num_tokens, top_k)
-    integer), largest first. Math: `reference.topk_softmax` (Shazeer et al. 2017, top-k gating).
-    Raises ValueError when top_k is not in [1, num_experts].
+    (weights (num_tokens, top_k + num_shared) in out_dtype (default logits.dtype), ids
+    (num_tokens, top_k + num_shared) integer): the routed experts largest first, then
+    num_shared always-on experts num_experts + j with weight 1 (a shared expert stored as
+    extra experts of the fused MoE). Math: `reference.topk_softmax` (Shazeer et al. 2017,
+    top-k gating). Raises ValueError when top_k is not in [1, num_experts] or num_shared < 0.
     """
     _check(logits.dim() == 2, f"logits must be (num_tokens, num_experts), got {tuple(logits.shape)}")
     _check(1 <= top_k <= logits.shape[1], f"top_k must be in [1, {logits.shape[1]}], got {top_k}")
+    _check(num_shared >= 0, f"num_shared must be >= 0, got {num_shared}")
     out_dtype = out_dtype or logits.dtype
     if _use_triton(logits) and logits.shape[1] <= 1024:
         from mambaserve.ops.moe import topk_softmax_triton
 
-        return topk_softmax_triton(logits if logits.stride(1) == 1 else logits.contiguous(), top_k, out_dtype)
-    return reference.topk_softmax(logits, top_k, out_dtype)
+        return topk_softmax_triton(logits if logits.stride(1) == 1 else logits.contiguous(), top_k, out_dtype,
+                                   num_shared)
+    return reference.topk_softmax(logits, top_k, out_dtype, num_shared)
 
 
 def silu_and_mul(h: torch.Tensor) -> torch.Tensor:

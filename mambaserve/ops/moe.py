@@ -178,9 +178,11 @@ def _direct_combine_kernel(y_ptr, add_ptr, out_ptr, hidden, stride_a, stride_o,
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
-                         TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The TOP_K largest logits of a row (first index among equals) and a softmax over them."""
+                         TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The TOP_K largest logits of a row (first index among equals) and a softmax over them,
+    then NUM_SHARED always-on experts num_experts + j with weight 1 (rows of TOP_K + NUM_SHARED)."""
     t = tl.program_id(0).to(tl.int64)
+    width = TOP_K + NUM_SHARED
     offs = tl.arange(0, BLOCK_E)
     row = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
     top = tl.max(row, 0)
@@ -197,20 +199,24 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
         m = tl.max(v, 0)
         # a row of NaN (a padding row of a graphed step) matches nothing: keep its ids in range
         idx = tl.minimum(tl.min(tl.where(v == m, offs, BLOCK_E), 0), num_experts - 1)
-        tl.store(ids_ptr + t * TOP_K + k, idx)
-        tl.store(w_ptr + t * TOP_K + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
+        tl.store(ids_ptr + t * width + k, idx)
+        tl.store(w_ptr + t * width + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
         v = tl.where(offs == idx, float("-inf"), v)
+    for j in tl.static_range(NUM_SHARED):
+        tl.store(ids_ptr + t * width + TOP_K + j, num_experts + j)
+        tl.store(w_ptr + t * width + TOP_K + j, tl.full([], 1.0, tl.float32).to(w_ptr.dtype.element_ty))
 
 
-def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype):
-    """logits: (num_tokens, num_experts), stride 1 along experts -> (weights (num_tokens, top_k)
-    in out_dtype, ids (num_tokens, top_k) int32). One program per token."""
+def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0):
+    """logits: (num_tokens, num_experts), stride 1 along experts -> (weights (num_tokens,
+    top_k + num_shared) in out_dtype, ids (num_tokens, top_k + num_shared) int32): the routed
+    experts, then num_shared always-on ones (num_experts + j, weight 1). One program per token."""
     num_tokens, num_experts = logits.shape
-    weights = torch.empty(num_tokens, top_k, dtype=out_dtype, device=logits.device)
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=logits.device)
+    weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=logits.device)
     if num_tokens:
         _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
-                                            TOP_K=top_k, BLOCK_E=_next_pow2(num_experts))
+                                            TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=_next_pow2(num_experts))
     return weights, ids
 
 

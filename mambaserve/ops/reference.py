@@ -407,9 +407,17 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(h.dtype)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype):
+def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0):
     """Top-k routing (Shazeer et al. 2017): the top_k largest logits of each row, in float32, and
     a softmax over just those. logits: (num_tokens, num_experts). Returns (weights (num_tokens,
-    top_k) in out_dtype, ids (num_tokens, top_k) int64), largest first."""
+    top_k + num_shared) in out_dtype, ids (num_tokens, top_k + num_shared) int64), largest
+    first, then num_shared always-on experts num_experts .. num_experts + num_shared - 1 with
+    weight 1 (a shared expert stored as extra experts)."""
     values, ids = logits.to(_compute_dtype(logits)).topk(top_k, dim=-1)
-    return torch.softmax(values, dim=-1).to(out_dtype), ids
+    weights = torch.softmax(values, dim=-1).to(out_dtype)
+    if num_shared:
+        T, E = logits.shape
+        extra = torch.arange(E, E + num_shared, device=ids.device).expand(T, num_shared)
+        ids = torch.cat([ids, extra], dim=1)
+        weights = torch.cat([weights, torch.ones(T, num_shared, dtype=out_dtype, device=weights.device)], dim=1)
+    return weights, ids

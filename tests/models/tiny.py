@@ -17,6 +17,15 @@ CONFIGS = {
         embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5,
         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
+    # a shared expert twice the experts' size: absorbed into the fused MoE as two extra experts
+    "granite-moe-absorbed": dict(
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=173, hidden_size=40, intermediate_size=24, shared_intermediate_size=48,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=3,
+        mamba_n_heads=5, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8,
+        layer_types=["mamba", "attention", "mamba"], position_embedding_type="nope",
+        embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=1.5,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
     # dense shared MLP only, RoPE, untied, n_groups 1
     "granite-dense-rope": dict(
         arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=199, hidden_size=32, intermediate_size=32, shared_intermediate_size=56,

@@ -38,6 +38,21 @@ def test_topk_softmax(dtype, num_tokens, num_experts, top_k):
     assert torch.equal(ids2.cpu(), ref_ids.cpu()) and w2.dtype == dtype
 
 
+@pytest.mark.parametrize("num_shared", [1, 2])
+def test_topk_softmax_with_always_on_shared_experts(num_shared):
+    """An absorbed shared expert: columns num_experts + j with weight 1 after the routed ones."""
+    logits = torch.stack([torch.randperm(10) for _ in range(3)]).float().div(4).to(DEVICE)
+    vals, ref_ids = logits.double().topk(3, dim=-1)
+    for name in ("triton", "reference"):
+        with ops.backend(name):
+            w, ids = ops.topk_softmax(logits, 3, torch.bfloat16, num_shared=num_shared)
+        assert ids.shape == (3, 3 + num_shared) and w.dtype == torch.bfloat16
+        assert torch.equal(ids[:, :3].long().cpu(), ref_ids.cpu())
+        assert torch.equal(ids[:, 3:].long().cpu(), torch.arange(10, 10 + num_shared).expand(3, num_shared))
+        assert torch.equal(w[:, 3:].float().cpu(), torch.ones(3, num_shared))
+        assert rel_err(w[:, :3], torch.softmax(vals, -1)) < tolerance(torch.bfloat16)
+
+
 def test_topk_softmax_checks_k():
     with pytest.raises(ValueError, match="top_k"):
         ops.topk_softmax(torch.randn(2, 4), 5)
