@@ -86,9 +86,8 @@ class GraniteMoE(nn.Module):
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden); add (T, hidden), e.g. the shared expert's output, is
         added inside the MoE's last kernel."""
-        logits = F.linear(x, self.router.layer.weight)  # (T, E)
         # (T, top_k + num_shared) each: the absorbed shared expert's slices are always on
-        top_weights, top_ids = ops.topk_softmax(logits, self.top_k, x.dtype, self.num_shared)
+        top_weights, top_ids = ops.router_topk(x, self.router.layer.weight, self.top_k, x.dtype, self.num_shared)
         if self.num_shared:
             w1, w2 = self._w1_all, self._w2_all
         else:

@@ -36,6 +36,7 @@ __all__ = [
     "paged_attention",
     "fused_moe",
     "topk_softmax",
+    "router_topk",
     "silu_and_mul",
     "reference",
 ]
@@ -407,6 +408,27 @@ def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None
         return topk_softmax_triton(logits if logits.stride(1) == 1 else logits.contiguous(), top_k, out_dtype,
                                    num_shared)
     return reference.topk_softmax(logits, top_k, out_dtype, num_shared)
+
+
+def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None,
+                num_shared: int = 0):
+    """Top-k softmax routing from the hidden states: `topk_softmax` of x @ router_weight^T.
+
+    x: (num_tokens, hidden); router_weight: (num_experts, hidden) in x's dtype. Returns
+    (weights, ids), each (num_tokens, top_k + num_shared), as `topk_softmax`. A decode step's
+    few tokens run the product and the top-k in one kernel. Raises ValueError on bad shapes.
+    """
+    _check(x.dim() == 2 and router_weight.dim() == 2 and router_weight.shape[1] == x.shape[1],
+           f"x must be (num_tokens, hidden) and router_weight (num_experts, {x.shape[-1]})")
+    _check(1 <= top_k <= router_weight.shape[0], f"top_k must be in [1, {router_weight.shape[0]}], got {top_k}")
+    _check(num_shared >= 0, f"num_shared must be >= 0, got {num_shared}")
+    out_dtype = out_dtype or x.dtype
+    if _use_triton(x) and router_weight.dtype == x.dtype:
+        from mambaserve.ops.moe import router_topk_triton
+
+        return router_topk_triton(x if x.stride(1) == 1 else x.contiguous(), router_weight.contiguous(), top_k,
+                                  out_dtype, num_shared)
+    return reference.router_topk(x, router_weight, top_k, out_dtype, num_shared)
 
 
 def silu_and_mul(h: torch.Tensor) -> torch.Tensor:

@@ -177,14 +177,11 @@ def _direct_combine_kernel(y_ptr, add_ptr, out_ptr, hidden, stride_a, stride_o,
 
 
 @triton.jit
-def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
-                         TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr):
-    """The TOP_K largest logits of a row (first index among equals) and a softmax over them,
-    then NUM_SHARED always-on experts num_experts + j with weight 1 (rows of TOP_K + NUM_SHARED)."""
-    t = tl.program_id(0).to(tl.int64)
-    width = TOP_K + NUM_SHARED
-    offs = tl.arange(0, BLOCK_E)
-    row = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+def _store_topk(row, offs, num_experts, w_ptr, ids_ptr, base,
+                TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Write the TOP_K largest of `row` (float32, -inf past num_experts; first index among
+    equals) with a softmax over them, then NUM_SHARED always-on ids num_experts + j of weight 1,
+    at ids_ptr / w_ptr + base."""
     top = tl.max(row, 0)
     # pass 1: the softmax denominator over the k largest; pass 2: write ids and weights
     v = row
@@ -199,12 +196,71 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
         m = tl.max(v, 0)
         # a row of NaN (a padding row of a graphed step) matches nothing: keep its ids in range
         idx = tl.minimum(tl.min(tl.where(v == m, offs, BLOCK_E), 0), num_experts - 1)
-        tl.store(ids_ptr + t * width + k, idx)
-        tl.store(w_ptr + t * width + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
+        tl.store(ids_ptr + base + k, idx)
+        tl.store(w_ptr + base + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
         v = tl.where(offs == idx, float("-inf"), v)
     for j in tl.static_range(NUM_SHARED):
-        tl.store(ids_ptr + t * width + TOP_K + j, num_experts + j)
-        tl.store(w_ptr + t * width + TOP_K + j, tl.full([], 1.0, tl.float32).to(w_ptr.dtype.element_ty))
+        tl.store(ids_ptr + base + TOP_K + j, num_experts + j)
+        tl.store(w_ptr + base + TOP_K + j, tl.full([], 1.0, tl.float32).to(w_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
+                         TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One row of logits: its top-k and their softmax (rows of TOP_K + NUM_SHARED outputs)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    row = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
+    _store_topk(row, offs, num_experts, w_ptr, ids_ptr, t * (TOP_K + NUM_SHARED), TOP_K, NUM_SHARED, BLOCK_E)
+
+
+@triton.jit
+def _router_topk_kernel(x_ptr, rw_ptr, w_ptr, ids_ptr, hidden, num_experts, stride_x, stride_rw,
+                        TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """The router's logits of one token (rw (E, hidden) . x, rounded to x's dtype as the
+    matrix product's output would be) and their top-k, in one program: a decode step's router
+    in one launch instead of a matrix-vector product, its reduction and the top-k."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    e_mask = offs < num_experts
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for h0 in range(0, hidden, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_mask = offs_h < hidden
+        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        w = tl.load(rw_ptr + offs.to(tl.int64)[:, None] * stride_rw + offs_h[None, :],
+                    mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * xv[None, :], axis=1)
+    row = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+    row = tl.where(e_mask, row, float("-inf"))
+    _store_topk(row, offs, num_experts, w_ptr, ids_ptr, t * (TOP_K + NUM_SHARED), TOP_K, NUM_SHARED, BLOCK_E)
+
+
+# Up to this many tokens the router runs as one fused program per token.
+ROUTER_FUSED_MAX_TOKENS = 16
+
+
+def router_topk_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype,
+                       num_shared: int = 0):
+    """x: (num_tokens, hidden), stride 1 along hidden; router_weight: (num_experts, hidden),
+    x's dtype, stride 1 along hidden -> (weights, ids) as `topk_softmax_triton` of the logits
+    x @ router_weight^T. Few tokens: one fused program per token; more: cuBLAS, then top-k."""
+    num_tokens, hidden = x.shape
+    num_experts = router_weight.shape[0]
+    block_e = _next_pow2(num_experts)
+    if num_tokens > ROUTER_FUSED_MAX_TOKENS or block_e > 256:
+        return topk_softmax_triton(torch.nn.functional.linear(x, router_weight), top_k, out_dtype, num_shared)
+    weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=x.device)
+    ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=x.device)
+    if num_tokens:
+        on_gpu = x.is_cuda
+        block_h = max(16, min(_next_pow2(hidden), (32768 if on_gpu else 1024) // block_e))
+        _router_topk_kernel[(num_tokens,)](
+            x, router_weight, weights, ids, hidden, num_experts, x.stride(0), router_weight.stride(0),
+            TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=block_e, BLOCK_H=block_h,
+            num_warps=16 if on_gpu and block_e * block_h >= 16384 else 4)
+    return weights, ids
 
 
 def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0):

@@ -399,6 +399,14 @@ def fused_moe(
     return out.to(hidden_states.dtype)
 
 
+def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype,
+                num_shared: int = 0):
+    """The router's logits x @ router_weight^T (in x's dtype, as the checkpoints' Linear
+    computes them), then `topk_softmax`. x: (num_tokens, hidden); router_weight: (num_experts,
+    hidden). Returns (weights, ids), each (num_tokens, top_k + num_shared)."""
+    return topk_softmax(F.linear(x, router_weight), top_k, out_dtype, num_shared)
+
+
 def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     """h: (num_rows, 2 * inter) -> silu(h[:, :inter]) * h[:, inter:] (GLU variants, Shazeer 2020),
     computed in float32 (float64 for float64 input), returned in h.dtype."""

@@ -53,6 +53,28 @@ def test_topk_softmax_with_always_on_shared_experts(num_shared):
         assert rel_err(w[:, :3], torch.softmax(vals, -1)) < tolerance(torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])  # 40: past the fused kernel's limit
+def test_router_topk(dtype, num_tokens):
+    """Router product and top-k (one kernel for few tokens) against the float64 logits."""
+    hidden, E = 70, 11
+    x = torch.randn(num_tokens, hidden, device=DEVICE)
+    scale = torch.randperm(E, device=DEVICE).float() / 8
+    # logits = row scale * |x|^2 / hidden + noise: far apart, so the choice is unambiguous
+    w = (x[:1].expand(E, hidden) * scale[:, None] / hidden + 0.01 * torch.randn(E, hidden, device=DEVICE))
+    x[1:] = x[:1] + 0.01 * torch.randn(num_tokens - 1, hidden, device=DEVICE)
+    x, w = x.to(dtype), w.to(dtype)
+    logits = x.double() @ w.double().t()
+    vals, ref_ids = logits.topk(4, dim=-1)
+    with ops.backend("triton"):
+        tw, ids = ops.router_topk(x, w, 4, torch.float32, num_shared=1)
+    assert torch.equal(ids[:, :4].long().cpu(), ref_ids.cpu()) and bool((ids[:, 4] == E).all())
+    assert rel_err(tw[:, :4], torch.softmax(vals, -1)) < 4 * tolerance(dtype)
+    with ops.backend("reference"):
+        tw2, ids2 = ops.router_topk(x, w, 4, torch.float32, num_shared=1)
+    assert torch.equal(ids2[:, :4].long().cpu(), ref_ids.cpu())
+
+
 def test_topk_softmax_checks_k():
     with pytest.raises(ValueError, match="top_k"):
         ops.topk_softmax(torch.randn(2, 4), 5)
