@@ -12,7 +12,9 @@ work included) and, for small cases, CUDA-graph replays that rotate over enough 
 inputs to defeat the 60 MB L2 (device time only). Per-step host work (the attention plan) is
 done once before timing, as the engine does it once per step for all layers.
 
-Usage: python benchmarks/kernels_attention_moe.py [--out results.json]. Needs a CUDA GPU.
+Usage: python benchmarks/kernels_attention_moe.py [--out results.json] [--only-decode-moe].
+Needs a CUDA GPU. The last case sweeps the decode MoE's direct-kernel tiles and times the fused
+router + top-k against cuBLAS + top-k.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mambaserve.ops import attention as attention_mod  # noqa: E402
 from mambaserve.ops.attention import paged_attention_triton, reshape_and_cache_triton  # noqa: E402
-from mambaserve.ops.moe import _HAS_GROUPED_MM, fused_moe_triton  # noqa: E402
+from mambaserve.ops import moe as moe_mod  # noqa: E402
+from mambaserve.ops.moe import _HAS_GROUPED_MM, fused_moe_triton, router_topk_triton, topk_softmax_triton  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 128, 16
 SCALE = 0.0078125
@@ -217,6 +220,8 @@ def bench_moe(num_tokens, ceil, copies, graph: bool):
     nbytes = experts_hit * 3 * INTER * HIDDEN * 2 + 2 * num_tokens * HIDDEN * 2
     floor, bound = floor_ms(flops, nbytes, ceil)
     impls = ["triton"] + (["grouped_mm"] if _HAS_GROUPED_MM else [])
+    if num_tokens * TOP_K <= moe_mod.DIRECT_MAX_PAIRS:
+        impls.append("direct")
     rows = []
     for impl in impls:
         outs = [torch.empty_like(s[0]) for s in sets]
@@ -235,9 +240,53 @@ def bench_moe(num_tokens, ceil, copies, graph: bool):
     return rows
 
 
+def sweep_moe_direct(ceil, configs=((16, 256, 16, 256), (8, 512, 16, 512), (32, 128, 32, 128),
+                                      (16, 512, 8, 512), (8, 256, 8, 256), (16, 128, 16, 128))):
+    """The decode MoE's direct kernels at one token (6 routed + 2 shared-expert pairs, as
+    granite-4.0-tiny-preview runs them) for several (gate/up BLOCK_I, BLOCK_H, down BLOCK_N,
+    BLOCK_I) tiles; and the fused router + top-k against cuBLAS + top-k."""
+    rows = []
+    sets = []
+    for _ in range(8):
+        x = torch.randn(1, HIDDEN, device=DEV, dtype=DT)
+        w1 = torch.randn(EXPERTS + 2, 2 * INTER, HIDDEN, device=DEV, dtype=DT) / HIDDEN**0.5
+        w2 = torch.randn(EXPERTS + 2, HIDDEN, INTER, device=DEV, dtype=DT) / INTER**0.5
+        ids = torch.cat([torch.randperm(EXPERTS, device=DEV)[:TOP_K], torch.tensor([EXPERTS, EXPERTS + 1], device=DEV)])
+        tw = torch.rand(1, TOP_K + 2, device=DEV, dtype=DT)
+        sets.append((x, w1, w2, tw, ids[None].to(torch.int32)))
+    nbytes = (TOP_K + 2) * 3 * INTER * HIDDEN * 2
+    floor, _ = floor_ms(0, nbytes, ceil)
+    original = moe_mod._direct_config
+    try:
+        for cfg in configs:
+            moe_mod._direct_config = lambda on_gpu, cfg=cfg: cfg
+            outs = [torch.empty_like(s_[0]) for s_ in sets]
+            calls = [(lambda s_=s_, o=o: fused_moe_triton(*s_, impl="direct", out=o)) for s_, o in zip(sets, outs)]
+            t = time_graph(calls)
+            rows.append({"case": "moe direct 1 token (6 + 2 shared pairs)", "variant": f"tiles {cfg}", "bytes": nbytes,
+                         "floor_ms": floor, "bound": "bandwidth", "eager_ms": bench(calls[0]),
+                         "eager_fraction_of_floor": floor / bench(calls[0]), "graph_ms": t,
+                         "graph_fraction_of_floor": floor / t})
+    finally:
+        moe_mod._direct_config = original
+    xs = [torch.randn(1, HIDDEN, device=DEV, dtype=DT) for _ in range(8)]
+    rws = [torch.randn(EXPERTS, HIDDEN, device=DEV, dtype=DT) for _ in range(8)]
+    fused = [(lambda x=x, w=w: router_topk_triton(x, w, TOP_K, DT, 2)) for x, w in zip(xs, rws)]
+    unfused = [(lambda x=x, w=w: topk_softmax_triton(torch.nn.functional.linear(x, w), TOP_K, DT, 2)) for x, w in zip(xs, rws)]
+    rb = EXPERTS * HIDDEN * 2
+    for name, calls in (("router_topk fused", fused), ("linear + topk_softmax", unfused)):
+        t = time_graph(calls)
+        rows.append({"case": "router 1 token", "variant": name, "bytes": rb, "floor_ms": rb / (ceil["copy_GBps"] * 1e6),
+                     "bound": "bandwidth", "eager_ms": bench(calls[0]), "eager_fraction_of_floor": 0.0,
+                     "graph_ms": t, "graph_fraction_of_floor": rb / (ceil["copy_GBps"] * 1e6) / t})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--only-decode-moe", action="store_true",
+                    help="only the decode MoE tile sweep and the router (a quick run)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -255,7 +304,10 @@ def main() -> None:
         lambda: bench_moe(31500, ceil, 1, graph=False),
         lambda: bench_moe(256, ceil, 4, graph=True),
         lambda: bench_moe(1, ceil, 4, graph=True),
+        lambda: sweep_moe_direct(ceil),
     ]
+    if args.only_decode_moe:
+        cases = cases[-1:]
     for case in cases:
         try:
             rows = case()
