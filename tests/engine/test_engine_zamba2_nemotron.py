@@ -53,8 +53,6 @@ def _gen(llm, prompts, params):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gpu_greedy_equals_cpu_float32(name):
     from mambaserve import LLM, SamplingParams
-    from tests.conftest import assert_greedy_close
-    from tests.engine.test_gpu import gen_with_logprobs
     from tests.models.tiny import checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -72,6 +70,8 @@ def test_gpu_graphs_equal_eager(name, dtype):
     runs its experts on other row counts under capture than eagerly, so its outputs may differ
     by rounding: float32 (no TF32) keeps that far below any greedy decision."""
     from mambaserve import LLM, SamplingParams
+    from tests.conftest import assert_greedy_close
+    from tests.engine.test_gpu import gen_with_logprobs
     from tests.models.tiny import checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False

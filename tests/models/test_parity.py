@@ -6,6 +6,8 @@ each prompt by decode steps from the stored conv/SSM/KV state equals transformer
 the longer prompt; (c) a mixed step of decodes and prefills equals both.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -80,17 +82,29 @@ def test_packed_prefill_then_decode_matches_transformers(name, device, dtype, to
     conts = [torch.randint(3, vocab, (n_decode,)).tolist() for _ in LENS]
     h = Harness(ours, len(LENS), max(LENS) + n_decode, device=device)
 
+    # In bfloat16 the bar is transformers' own bfloat16 error on the same input: ours may be
+    # at most twice as far from the float32 logits (random tiny models amplify rounding, and a
+    # MoE's expert choice can flip), and never beyond `tol` when transformers' is smaller.
+    hf_low = copy.deepcopy(hf).to(device, getattr(torch, dtype)) if dtype != "float32" else None
+
+    def bar(ids, rows):
+        ref = hf(torch.tensor([ids])).logits[0, rows]
+        if hf_low is None:
+            return ref, tol
+        low = hf_low(torch.tensor([ids], device=device)).logits[0, rows].float().cpu()
+        return ref, max(tol, 2 * rel_err(low, ref))
+
     got = h.step({i: p for i, p in enumerate(prompts)})
     with torch.no_grad():
         for i, p in enumerate(prompts):
-            ref = hf(torch.tensor([p + conts[i]])).logits[0]
-            assert rel_err(got[i], ref[: len(p)]) < tol, f"prefill logits of prompt {i} (len {len(p)})"
+            ref, bound = bar(p + conts[i], slice(0, len(p)))
+            assert rel_err(got[i], ref) < bound, f"prefill logits of prompt {i} (len {len(p)})"
     for t in range(n_decode):
         got = h.step({i: [conts[i][t]] for i in range(len(LENS))})
         with torch.no_grad():
             for i, p in enumerate(prompts):
-                ref = hf(torch.tensor([p + conts[i][: t + 1]])).logits[0, -1]
-                assert rel_err(got[i][0], ref) < tol, f"decode step {t} of prompt {i}"
+                ref, bound = bar(p + conts[i][: t + 1], -1)
+                assert rel_err(got[i][0], ref) < bound, f"decode step {t} of prompt {i}"
 
 
 @pytest.mark.parametrize("name", ["granite-moe", "bamba", "mamba2"])
