@@ -179,26 +179,35 @@ def _direct_combine_kernel(y_ptr, add_ptr, out_ptr, hidden, stride_a, stride_o,
 @triton.jit
 def _store_topk(row, offs, num_experts, w_ptr, ids_ptr, base,
                 TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Write the TOP_K largest of `row` (float32, -inf past num_experts; first index among
+    """Write the TOP_K largest of `row` (float32, -inf past num_experts; the first index among
     equals) with a softmax over them, then NUM_SHARED always-on ids num_experts + j of weight 1,
-    at ids_ptr / w_ptr + base."""
+    at ids_ptr / w_ptr + base. NaN entries count as -inf (a padding row of a graphed step)."""
+    row = tl.where(row == row, row, float("-inf"))
     top = tl.max(row, 0)
-    # pass 1: the softmax denominator over the k largest; pass 2: write ids and weights
-    v = row
-    denom = 0.0
-    for _ in tl.static_range(TOP_K):
-        m = tl.max(v, 0)
-        idx = tl.min(tl.where(v == m, offs, BLOCK_E), 0)
-        denom += tl.exp(m - top)
-        v = tl.where(offs == idx, float("-inf"), v)
-    v = row
-    for k in tl.static_range(TOP_K):
-        m = tl.max(v, 0)
-        # a row of NaN (a padding row of a graphed step) matches nothing: keep its ids in range
-        idx = tl.minimum(tl.min(tl.where(v == m, offs, BLOCK_E), 0), num_experts - 1)
-        tl.store(ids_ptr + base + k, idx)
-        tl.store(w_ptr + base + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
-        v = tl.where(offs == idx, float("-inf"), v)
+    if BLOCK_E <= 64:
+        # all at once: rank_e = number of entries ahead of e (larger, or equal at a lower index)
+        ahead = (row[None, :] > row[:, None]) | ((row[None, :] == row[:, None]) & (offs[None, :] < offs[:, None]))
+        rank = tl.sum(ahead.to(tl.int32), axis=1)
+        chosen = rank < TOP_K
+        p = tl.where(chosen, tl.exp(row - top), 0.0)
+        denom = tl.sum(p, 0)
+        tl.store(ids_ptr + base + rank, offs, mask=chosen)
+        tl.store(w_ptr + base + rank, (p / denom).to(w_ptr.dtype.element_ty), mask=chosen)
+    else:  # wide rows: TOP_K rounds of arg-max (the comparison matrix would not fit)
+        v = row
+        denom = 0.0
+        for _ in tl.static_range(TOP_K):
+            m = tl.max(v, 0)
+            idx = tl.min(tl.where(v == m, offs, BLOCK_E), 0)
+            denom += tl.exp(m - top)
+            v = tl.where(offs == idx, float("-inf"), v)
+        v = row
+        for k in tl.static_range(TOP_K):
+            m = tl.max(v, 0)
+            idx = tl.minimum(tl.min(tl.where(v == m, offs, BLOCK_E), 0), num_experts - 1)
+            tl.store(ids_ptr + base + k, idx)
+            tl.store(w_ptr + base + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
+            v = tl.where(offs == idx, float("-inf"), v)
     for j in tl.static_range(NUM_SHARED):
         tl.store(ids_ptr + base + TOP_K + j, num_experts + j)
         tl.store(w_ptr + base + TOP_K + j, tl.full([], 1.0, tl.float32).to(w_ptr.dtype.element_ty))
@@ -215,51 +224,67 @@ def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
 
 
 @triton.jit
-def _router_topk_kernel(x_ptr, rw_ptr, w_ptr, ids_ptr, hidden, num_experts, stride_x, stride_rw,
-                        TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
-    """The router's logits of one token (rw (E, hidden) . x, rounded to x's dtype as the
-    matrix product's output would be) and their top-k, in one program: a decode step's router
-    in one launch instead of a matrix-vector product, its reduction and the top-k."""
+def _router_logits_kernel(x_ptr, rw_ptr, part_ptr, hidden, num_experts, stride_x, stride_rw,
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """part[t, s, e] = rw[e, s-block] . x[t, s-block]: the router's product split over
+    experts and features, one (BLOCK_E x BLOCK_H) weight tile per program."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    s = tl.program_id(2)
+    offs_h = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    e_mask = offs_e < num_experts
+    h_mask = offs_h < hidden
+    xv = tl.load(x_ptr + t * stride_x + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    w = tl.load(rw_ptr + offs_e.to(tl.int64)[:, None] * stride_rw + offs_h[None, :],
+                mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+    dst = part_ptr + (t * tl.num_programs(2) + s) * num_experts + offs_e
+    tl.store(dst, tl.sum(w * xv[None, :], axis=1), mask=e_mask)
+
+
+@triton.jit
+def _router_topk_kernel(part_ptr, w_ptr, ids_ptr, num_experts, num_splits,
+                        OUT_DTYPE: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
+                        BLOCK_E: tl.constexpr):
+    """A token's router logits (its split partials summed in order, rounded to the activation
+    dtype as the matrix product's output would be) and their top-k."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     e_mask = offs < num_experts
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        h_mask = offs_h < hidden
-        xv = tl.load(x_ptr + t * stride_x + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-        w = tl.load(rw_ptr + offs.to(tl.int64)[:, None] * stride_rw + offs_h[None, :],
-                    mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(w * xv[None, :], axis=1)
-    row = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-    row = tl.where(e_mask, row, float("-inf"))
+    row = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for s in range(num_splits):
+        row += tl.load(part_ptr + (t * num_splits + s) * num_experts + offs, mask=e_mask, other=0.0)
+    row = tl.where(e_mask, row.to(OUT_DTYPE).to(tl.float32), float("-inf"))
     _store_topk(row, offs, num_experts, w_ptr, ids_ptr, t * (TOP_K + NUM_SHARED), TOP_K, NUM_SHARED, BLOCK_E)
 
 
-# Up to this many tokens the router runs as one fused program per token.
+# Up to this many tokens the router runs as two small kernels of our own (split product, top-k).
 ROUTER_FUSED_MAX_TOKENS = 16
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def router_topk_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype,
                        num_shared: int = 0):
     """x: (num_tokens, hidden), stride 1 along hidden; router_weight: (num_experts, hidden),
     x's dtype, stride 1 along hidden -> (weights, ids) as `topk_softmax_triton` of the logits
-    x @ router_weight^T. Few tokens: one fused program per token; more: cuBLAS, then top-k."""
+    x @ router_weight^T. Few tokens: a split product over many programs, then the top-k (two
+    launches, where cuBLAS takes two for the product alone); more tokens: cuBLAS, then top-k."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     block_e = _next_pow2(num_experts)
-    if num_tokens > ROUTER_FUSED_MAX_TOKENS or block_e > 256:
+    if num_tokens > ROUTER_FUSED_MAX_TOKENS or block_e > 1024:
         return topk_softmax_triton(torch.nn.functional.linear(x, router_weight), top_k, out_dtype, num_shared)
     weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=x.device)
     ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=x.device)
     if num_tokens:
         on_gpu = x.is_cuda
-        block_h = max(16, min(_next_pow2(hidden), (32768 if on_gpu else 1024) // block_e))
+        be, bh = (16, 512) if on_gpu else (8, 32)
+        splits = triton.cdiv(hidden, bh)
+        part = torch.empty(num_tokens, splits, num_experts, dtype=torch.float32, device=x.device)
+        _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, be), splits)](
+            x, router_weight, part, hidden, num_experts, x.stride(0), router_weight.stride(0), BLOCK_E=be, BLOCK_H=bh)
         _router_topk_kernel[(num_tokens,)](
-            x, router_weight, weights, ids, hidden, num_experts, x.stride(0), router_weight.stride(0),
-            TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=block_e, BLOCK_H=block_h,
-            num_warps=16 if on_gpu and block_e * block_h >= 16384 else 4)
+            part, weights, ids, num_experts, splits, OUT_DTYPE=_TL_DTYPES[x.dtype], TOP_K=top_k,
+            NUM_SHARED=num_shared, BLOCK_E=block_e, num_warps=2 if block_e <= 64 else 4)
     return weights, ids
 
 
@@ -271,8 +296,10 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype
     weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=logits.device)
     ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=logits.device)
     if num_tokens:
+        block_e = _next_pow2(num_experts)
         _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
-                                            TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=_next_pow2(num_experts))
+                                            TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=block_e,
+                                            num_warps=2 if block_e <= 64 else 4)
     return weights, ids
 
 

@@ -24,7 +24,7 @@ def test_silu_and_mul(dtype, rows, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 62, 6), (9, 8, 2), (5, 5, 1), (4, 5, 5)])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 62, 6), (9, 8, 2), (5, 5, 1), (4, 5, 5), (2, 100, 4)])
 def test_topk_softmax(dtype, num_tokens, num_experts, top_k):
     # distinct values, exact in bfloat16 (ties may be ordered either way)
     logits = torch.stack([torch.randperm(num_experts) for _ in range(num_tokens)]).float().div(4).to(DEVICE, dtype)
@@ -83,8 +83,11 @@ def test_topk_softmax_checks_k():
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
 def test_topk_softmax_keeps_ids_in_range_for_nan_rows():
     """A graphed step's padding rows may hold NaN: their expert ids must still index weights."""
-    logits = torch.randn(3, 7, device=DEVICE)
-    logits[1] = float("nan")
-    with ops.backend("triton"):
-        _, ids = ops.topk_softmax(logits, 4, torch.float32)
-    assert int(ids.min()) >= 0 and int(ids.max()) < 7
+    for E in (7, 100):  # both top-k strategies (all at once; rounds of arg-max)
+        logits = torch.randn(3, E, device=DEVICE)
+        logits[1] = float("nan")
+        logits[2, 3] = float("nan")
+        with ops.backend("triton"):
+            _, ids = ops.topk_softmax(logits, 4, torch.float32)
+        assert int(ids.min()) >= 0 and int(ids.max()) < E
+        assert len(set(ids[0].tolist())) == 4 and 3 not in ids[2].tolist()
