@@ -84,11 +84,18 @@ class Mamba2Mixer(nn.Module):
     def state_shape(self) -> MambaStateShape:
         return MambaStateShape((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.d_state))
 
-    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext, partials: bool = False) -> torch.Tensor:
+        """hidden_states: (T, hidden) -> (T, hidden). partials=True (for a caller whose next op
+        is `RMSNorm.add_and_norm`) returns (num_parts, T, hidden) terms summing to the output:
+        at decode sizes out_proj then runs as one split-K launch whose reduction the norm does."""
         I = self.intermediate_size
         zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
         y = split_op(self.ssm, (zxbcdt,), ctx)  # (T, I)
         y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=I // self.n_groups)
+        if partials:
+            if self.out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens():
+                return ops.linear_partials(y, self.out_proj.weight)
+            return self.out_proj(y)[None]
         return self.out_proj(y)
 
     def decay_rates(self) -> torch.Tensor:

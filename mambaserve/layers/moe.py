@@ -83,16 +83,17 @@ class GraniteMoE(nn.Module):
         self._w1_all, self._w2_all, self.num_shared = w1_all, w2_all, n
         return True
 
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, partials: bool = False) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden); add (T, hidden), e.g. the shared expert's output, is
-        added inside the MoE's last kernel."""
+        added inside the MoE's last kernel. partials=True returns (num_parts, T, hidden) terms
+        summing to the output, for `RMSNorm.add_and_norm` to add (see ops.fused_moe)."""
         # (T, top_k + num_shared) each: the absorbed shared expert's slices are always on
         top_weights, top_ids = ops.router_topk(x, self.router.layer.weight, self.top_k, x.dtype, self.num_shared)
         if self.num_shared:
             w1, w2 = self._w1_all, self._w2_all
         else:
             w1, w2 = self.input_linear.weight, self.output_linear.weight
-        return ops.fused_moe(x, w1, w2, top_weights, top_ids, add)
+        return ops.fused_moe(x, w1, w2, top_weights, top_ids, add, as_partials=partials)
 
 
 class SigmoidGroupRouter(nn.Module):

@@ -35,8 +35,15 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
         """The residual add before this norm, fused with it: residual += alpha * x in place
-        (rounded once to residual's dtype), then returns self(residual). x, residual: (..., hidden),
-        residual contiguous (the model's own residual stream, never an input tensor)."""
-        hidden = x.shape[-1]
+        (rounded once to residual's dtype), then returns self(residual).
+
+        residual: (num_tokens, hidden), contiguous (the model's own residual stream, never an
+        input tensor); x: (num_tokens, hidden), or (num_parts, num_tokens, hidden) partial sums
+        of the added term (a split-K projection's or the decode MoE's), added in order in
+        float32 by the same kernel. Returns (num_tokens, hidden).
+        """
+        hidden = residual.shape[-1]
+        if x.dim() == 3:
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, alpha)
         out = ops.fused_add_rms_norm(x.reshape(-1, hidden), residual.view(-1, hidden), self.weight, self.eps, alpha)
         return out.view(x.shape)

@@ -72,7 +72,7 @@ class BambaForCausalLM(HybridForCausalLM):
         layers = self.model.layers
         x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
-            x = layer.mamba(x, ctx) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
+            x = layer.mamba(x, ctx, partials=True) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
             x = layer.feed_forward(layer.pre_ff_layernorm.add_and_norm(x, h))  # h += x first
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.final_layernorm
             x = following.add_and_norm(x, h)

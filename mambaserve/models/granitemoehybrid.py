@@ -86,10 +86,11 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         layers = self.model.layers
         x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
-            x = layer.mamba(x, ctx) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
+            # partials: the mixer's / MoE's last sums are left to the next add_and_norm kernel
+            x = layer.mamba(x, ctx, partials=True) if layer.kind == "mamba" else layer.self_attn(positions, x, ctx)
             x = layer.post_attention_layernorm.add_and_norm(x, h, r)  # h += r * x; x = norm(h)
             if layer.shared_mlp is None:  # absorbed into the MoE (finalize_weights)
-                mlp = layer.block_sparse_moe(x)
+                mlp = layer.block_sparse_moe(x, partials=True)
             else:
                 mlp = layer.shared_mlp(x)
                 if layer.block_sparse_moe is not None:

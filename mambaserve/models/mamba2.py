@@ -56,5 +56,5 @@ class Mamba2ForCausalLM(HybridForCausalLM):
         x = layers[0].norm(h)
         for i, layer in enumerate(layers):
             following = layers[i + 1].norm if i + 1 < len(layers) else self.backbone.norm_f
-            x = following.add_and_norm(layer.mixer(x, ctx), h)  # h += mixer(x); x = norm(h)
+            x = following.add_and_norm(layer.mixer(x, ctx, partials=True), h)  # h += mixer(x); x = norm(h)
         return x

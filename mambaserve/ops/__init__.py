@@ -26,6 +26,8 @@ from mambaserve.ops import reference
 __all__ = [
     "backend",
     "fused_add_rms_norm",
+    "linear_partials",
+    "gemv_max_tokens",
     "current_backend",
     "causal_conv1d",
     "causal_conv1d_update",
@@ -288,16 +290,44 @@ def fused_add_rms_norm(
     and the next layer's norm in one kernel.
 
     x, residual: (num_tokens, hidden), residual with feature stride 1; weight: (hidden,).
-    Raises ValueError when shapes disagree.
+    x may also be (num_parts, num_tokens, hidden) partial sums of the added term (as
+    `linear_partials` or `fused_moe(..., as_partials=True)` leave them), summed in order in
+    float32; the result is then in residual's dtype. Raises ValueError when shapes disagree.
     """
-    _check(x.dim() == 2 and residual.shape == x.shape, f"x and residual must be one (num_tokens, hidden) shape, "
-           f"got {tuple(x.shape)}, {tuple(residual.shape)}")
-    _check(weight.shape == (x.shape[1],), "weight must be (hidden,)")
-    if _use_triton(x):
+    rows = x.shape[-2:] if x.dim() in (2, 3) else None
+    _check(rows is not None and residual.shape == rows, f"x must be (num_tokens, hidden) or (num_parts, num_tokens, "
+           f"hidden) and residual (num_tokens, hidden), got {tuple(x.shape)}, {tuple(residual.shape)}")
+    _check(weight.shape == (x.shape[-1],), "weight must be (hidden,)")
+    if _use_triton(residual):
         from mambaserve.ops.layernorm_gated import rms_norm_gated_triton
 
-        return rms_norm_gated_triton(x, weight, None, eps, x.shape[1], residual=residual, alpha=alpha)
+        return rms_norm_gated_triton(x, weight, None, eps, x.shape[-1], residual=residual, alpha=alpha)
     return reference.fused_add_rms_norm(x, residual, weight, eps, alpha)
+
+
+def gemv_max_tokens() -> int:
+    """Most rows `linear_partials` takes on the Triton path (decode-sized batches)."""
+    from mambaserve.ops.gemv import MAX_TOKENS
+
+    return MAX_TOKENS
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T left as split-K partial sums, for decode-sized batches whose consumer is
+    `fused_add_rms_norm` (which adds the splits): one launch where cuBLAS takes two.
+
+    x: (num_tokens, K), at most `gemv.MAX_TOKENS` rows on the Triton path; weight: (N, K) in
+    x's dtype. Returns (num_splits, num_tokens, N) float32 whose sum over the first axis is the
+    product (num_splits is 1 on the reference path). Raises ValueError on bad shapes.
+    """
+    _check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
+           f"x must be (num_tokens, K) and weight (N, {x.shape[-1]}), got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if _use_triton(x) and weight.dtype == x.dtype:
+        from mambaserve.ops.gemv import MAX_TOKENS, linear_partials_triton
+
+        if x.shape[0] <= MAX_TOKENS:
+            return linear_partials_triton(x, weight)
+    return reference.linear_partials(x, weight)
 
 
 def reshape_and_cache(
@@ -364,6 +394,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     add: torch.Tensor | None = None,
+    as_partials: bool = False,
 ) -> torch.Tensor:
     """SiLU-gated mixture of experts over routed tokens.
 
@@ -371,7 +402,8 @@ def fused_moe(
     rows first, then the up rows; w2: (num_experts, hidden, inter); topk_weights:
     (num_tokens, top_k); topk_ids: (num_tokens, top_k) int. add: optional (num_tokens,
     hidden) tensor added before the result is rounded (a shared expert's output).
-    Returns (num_tokens, hidden). Math: `reference.fused_moe`. Raises ValueError on
+    Returns (num_tokens, hidden); with as_partials, (num_parts, num_tokens, hidden) terms that
+    sum to it, for `fused_add_rms_norm` to add (the decode path then skips its combine). Math: `reference.fused_moe`. Raises ValueError on
     inconsistent shapes.
     """
     _check(hidden_states.dim() == 2, "hidden_states must be (num_tokens, hidden)")
@@ -384,8 +416,9 @@ def fused_moe(
     if _use_triton(hidden_states):
         from mambaserve.ops.moe import fused_moe_triton
 
-        return fused_moe_triton(hidden_states, w1, w2, topk_weights, topk_ids, add=add)
-    return reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add)
+        return fused_moe_triton(hidden_states, w1, w2, topk_weights, topk_ids, add=add, as_partials=as_partials)
+    out = reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add)
+    return out[None] if as_partials else out
 
 
 def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None, num_shared: int = 0):

@@ -21,13 +21,14 @@ TILE_ELEMENTS = 4096  # rows per program = TILE_ELEMENTS // block_n (at least 1)
 @triton.jit
 def _rms_norm_gated_kernel(
     x_ptr, w_ptr, z_ptr, out_ptr, res_ptr,
-    num_rows, group_size, eps, alpha,
-    stride_x_m, stride_z_m, stride_o_m, stride_r_m,
+    num_rows, group_size, eps, alpha, num_parts,
+    stride_x_m, stride_z_m, stride_o_m, stride_r_m, stride_x_p,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, SINGLE_PASS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     # HAS_RESIDUAL: res <- res + alpha * x (rounded to res's dtype, stored in place) and the
     # rounded sum is what gets normalised: the residual stream's add fused into the next norm.
+    # There x may come as num_parts partial sums (x_ptr + p * stride_x_p), added in order.
     pid_m = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -41,6 +42,9 @@ def _rms_norm_gated_kernel(
         c = col0 + cols
         v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
+            for p in range(1, num_parts):
+                v += tl.load(x_ptr + p * stride_x_p + rows[:, None] * stride_x_m + c[None, :], mask=mask,
+                             other=0.0).to(tl.float32)
             r_ptrs = res_ptr + rows[:, None] * stride_r_m + c[None, :]
             r = (tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32) + alpha * v).to(res_ptr.dtype.element_ty)
             tl.store(r_ptrs, r, mask=mask)
@@ -63,6 +67,9 @@ def _rms_norm_gated_kernel(
             mask = row_mask[:, None] & (n0 + cols < group_size)[None, :]
             v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
+                for p in range(1, num_parts):
+                    v += tl.load(x_ptr + p * stride_x_p + rows[:, None] * stride_x_m + c[None, :], mask=mask,
+                                 other=0.0).to(tl.float32)
                 r_ptrs = res_ptr + rows[:, None] * stride_r_m + c[None, :]
                 r = (tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32) + alpha * v).to(res_ptr.dtype.element_ty)
                 tl.store(r_ptrs, r, mask=mask)
@@ -109,17 +116,26 @@ def rms_norm_gated_triton(
     weight * rmsnorm_g(x * silu(z)); True computes weight * rmsnorm_g(x) * silu(z).
     residual: optional (num_tokens, hidden) tensor, feature stride 1, updated in place to
     residual + alpha * x (rounded to its dtype); the norm then applies to that sum instead of x.
-    Returns a contiguous (num_tokens, hidden) tensor in x.dtype.
+    With a residual, x may also be (num_parts, num_tokens, hidden) partial sums (any dtype,
+    feature stride 1), added in order in float32: a split-K product's unreduced output.
+    Returns a contiguous (num_tokens, hidden) tensor in x.dtype (residual's for partials).
     """
+    parts = None
+    if x.dim() == 3:
+        if residual is None or z is not None:
+            raise ValueError("partial sums (3-D x) are taken only with a residual and no gate")
+        parts, x = x, x[0]
     num_rows, hidden = x.shape
     if hidden % group_size != 0:
         raise ValueError(f"hidden ({hidden}) must be a multiple of group_size ({group_size})")
     if x.stride(1) != 1:
+        if parts is not None:
+            raise ValueError("partial sums must have stride 1 along features")
         x = x.contiguous()
     if z is not None and z.stride(1) != 1:
         z = z.contiguous()
     weight = weight.contiguous()
-    out = torch.empty((num_rows, hidden), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, hidden), dtype=x.dtype if parts is None else residual.dtype, device=x.device)
     if num_rows == 0 or hidden == 0:
         return out
     single = triton.next_power_of_2(group_size) <= MAX_BLOCK_N
@@ -133,7 +149,8 @@ def rms_norm_gated_triton(
     grid = (triton.cdiv(num_rows, block_m), hidden // group_size)
     _rms_norm_gated_kernel[grid](
         x, weight, zz, out, rr, num_rows, group_size, eps, float(alpha),
-        x.stride(0), zz.stride(0), out.stride(0), rr.stride(0),
+        1 if parts is None else parts.shape[0],
+        x.stride(0), zz.stride(0), out.stride(0), rr.stride(0), 0 if parts is None else parts.stride(0),
         HAS_Z=z is not None, NORM_BEFORE_GATE=bool(norm_before_gate), SINGLE_PASS=single,
         HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
     )

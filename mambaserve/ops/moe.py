@@ -315,7 +315,7 @@ def _direct_config(on_gpu: bool) -> tuple[int, int, int, int]:
     return (16, 256, 16, 256) if on_gpu else (8, 32, 8, 32)
 
 
-def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add):
+def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials=False):
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -331,6 +331,8 @@ def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add):
     _direct_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
         part, w2, ids, topk_weights.contiguous(), y, hidden, inter, splits,
         part.stride(0), part.stride(1), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_N=bn, BLOCK_I=bi2)
+    if as_partials:  # (top_k, num_tokens, hidden): the consumer adds the weighted pairs
+        return y.view(num_tokens, top_k, hidden).transpose(0, 1)
     block = min(1024, _next_pow2(hidden))
     _direct_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, add if add is not None else out, out, hidden, add.stride(0) if add is not None else 0, out.stride(0),
@@ -423,6 +425,7 @@ def fused_moe_triton(
     impl: str | None = None,
     out: torch.Tensor | None = None,
     add: torch.Tensor | None = None,
+    as_partials: bool = False,
 ) -> torch.Tensor:
     """SiLU-gated mixture of experts over top-k routed tokens, as grouped matrix products.
 
@@ -435,7 +438,10 @@ def fused_moe_triton(
     out: optional preallocated (num_tokens, hidden) result in hidden_states' dtype, stride 1.
     add: optional (num_tokens, hidden) tensor (stride 1 along hidden) added to the result in
     float32 before the one rounding (a shared expert's output: no separate add kernel).
-    Returns (num_tokens, hidden) in hidden_states' dtype.
+    Returns (num_tokens, hidden) in hidden_states' dtype; with as_partials=True (and no add),
+    (num_parts, num_tokens, hidden) terms whose sum is the result, for a consumer that adds
+    them itself (`fused_add_rms_norm`): the direct path's weighted pairs in float32, no
+    combine launch; other paths return the result as one part.
     Math: out[t] = sum_k w[t, k] * w2[e] (silu(g) * u), [g; u] = w1[e] x_t, e = ids[t, k]
     (Shazeer et al. 2017 top-k routing, GLU variants: Shazeer 2020); `reference.fused_moe`.
     Raises ValueError on bad shapes or dtypes.
@@ -465,7 +471,8 @@ def fused_moe_triton(
     if add is not None and (add.shape != (num_tokens, hidden) or add.stride(1) != 1):
         raise ValueError(f"add must be ({num_tokens}, {hidden}) with stride 1 along hidden")
     if num_tokens == 0 or top_k == 0:
-        return out.copy_(add) if add is not None else out.zero_()
+        out = out.copy_(add) if add is not None else out.zero_()
+        return out[None] if as_partials else out
     if impl is None:
         if num_tokens * top_k <= DIRECT_MAX_PAIRS:
             impl = "direct"
@@ -476,7 +483,8 @@ def fused_moe_triton(
     w1 = w1 if w1.stride(2) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
     if impl == "direct":
-        return _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add)
+        res = _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials and add is None)
+        return res[None] if as_partials and res.dim() == 2 else res
     num_rows = num_tokens * top_k
     token_of, inv, offs = _route(topk_ids, num_experts)
     if impl == "grouped_mm":
@@ -496,4 +504,4 @@ def fused_moe_triton(
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, inv, weights, add if add is not None else out, out, hidden, y.stride(0),
         add.stride(0) if add is not None else 0, out.stride(0), TOP_K=top_k, HAS_ADD=add is not None, BLOCK=block)
-    return out
+    return out[None] if as_partials else out

@@ -302,9 +302,26 @@ def fused_add_rms_norm(
     x, residual: (num_tokens, hidden); weight: (hidden,). residual is updated in place to
     residual + alpha * x, rounded once to residual's dtype (as `torch.add(residual, x,
     alpha=alpha)`); returns weight * rmsnorm(updated residual), computed in float32, in x.dtype.
+    x may also be (num_parts, num_tokens, hidden) partial sums of the added term (summed in
+    order in float32; the result is then in residual's dtype).
     """
+    if x.dim() == 3:  # partial sums: added in order in float32, then rounded once with the residual
+        total = x[0].to(_compute_dtype(x))
+        for part in x[1:]:
+            total = total + part.to(total.dtype)
+        residual.copy_(residual.to(total.dtype) + alpha * total)
+        return rms_norm_gated(residual, weight, None, eps, residual.shape[-1])
     residual.copy_(torch.add(residual, x, alpha=alpha))
     return rms_norm_gated(residual, weight, None, eps, residual.shape[-1]).to(x.dtype)
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, num_splits: int = 1) -> torch.Tensor:
+    """x @ weight^T as num_splits partial sums over equal slices of K, in float32 (float64 for
+    float64 input). x: (num_tokens, K); weight: (N, K). Returns (num_splits, num_tokens, N)."""
+    cdt = _compute_dtype(x)
+    K = x.shape[1]
+    bounds = [K * i // num_splits for i in range(num_splits + 1)]
+    return torch.stack([x[:, a:b].to(cdt) @ weight[:, a:b].to(cdt).t() for a, b in zip(bounds, bounds[1:])])
 
 
 def reshape_and_cache(

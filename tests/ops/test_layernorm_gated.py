@@ -75,3 +75,32 @@ def test_fused_add_rms_norm(device, dtype, two_pass, poison_empty, monkeypatch):
     out_ref = ref.fused_add_rms_norm(x, res2, w, 1e-5, 1.0)
     assert torch.equal(res2, torch.add(before, x))
     assert rel_err(out_ref, ref.rms_norm_gated(res2.double(), w.double(), None, 1e-5, hidden)) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_fused_add_rms_norm_takes_partial_sums(device, two_pass, poison_empty, monkeypatch):
+    """x as split-K partials (linear_partials' output) or strided MoE pairs: summed in order."""
+    if two_pass:
+        monkeypatch.setattr(layernorm_gated, "MAX_BLOCK_N", 32)
+    T, K, hidden = 3, 100, 72
+    a = torch.randn(T, K, device=device)
+    w_lin = torch.randn(hidden, K, device=device) / K**0.5
+    with ops.backend("triton"):
+        parts = ops.linear_partials(a, w_lin)
+    assert parts.dim() == 3 and parts.shape[1:] == (T, hidden) and parts.dtype == torch.float32
+    assert rel_err(parts.sum(0), a.double() @ w_lin.double().t()) < 1e-5
+    pairs = torch.randn(T, 4, hidden, device=device).transpose(0, 1)  # (4, T, hidden), strided like MoE pairs
+    w = torch.randn(hidden, device=device)
+    for x in (parts, pairs):
+        residual = torch.randn(T, hidden, device=device).to(torch.bfloat16)
+        before = residual.clone()
+        exact = before.double() + 0.5 * x.double().sum(0)
+        with ops.backend("triton"):
+            out = ops.fused_add_rms_norm(x, residual, w, 1e-5, 0.5)
+        assert out.dtype == torch.bfloat16
+        assert rel_err(residual, exact) < tolerance(torch.bfloat16)
+        assert rel_err(out, ref.rms_norm_gated(exact, w.double(), None, 1e-5, hidden)) < tolerance(torch.bfloat16)
+        res_ref = before.clone()
+        out_ref = ops.reference.fused_add_rms_norm(x, res_ref, w, 1e-5, 0.5)
+        assert rel_err(res_ref, exact) < tolerance(torch.bfloat16) and rel_err(out_ref, out.double()) < tolerance(torch.bfloat16)

@@ -103,6 +103,16 @@ def test_fused_moe_adds_the_shared_output_and_splits_odd_sizes(impl):
         assert torch.equal(ops.fused_moe(x, w1, w2, tw, ti, add) if impl == "direct" else out, out)
 
 
+@pytest.mark.parametrize("impl", ["direct", "triton"])
+def test_fused_moe_as_partials_sums_to_the_output(impl):
+    """as_partials: the direct path leaves its weighted pairs (top_k, T, hidden) for the next
+    norm to add; other paths return the output as one part."""
+    x, w1, w2, tw, ti = _make(2, 40, 24, 7, 3, torch.float32, DEVICE)
+    parts = fused_moe_triton(x, w1, w2, tw, ti, impl=impl, as_partials=True)
+    assert parts.shape == ((3 if impl == "direct" else 1), 2, 40)
+    assert rel_err(parts.sum(0), _ref(x, w1, w2, tw, ti)) < tolerance(torch.float32)
+
+
 # ---- GPU only: model-sized shapes ---------------------------------------------------------
 
 

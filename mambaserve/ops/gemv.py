@@ -1,0 +1,60 @@
+"""Triton split-K matrix-vector products for decode-sized batches, left as partial sums.
+
+At a decode step a projection multiplies a handful of rows by a large weight: the time is the
+weight read, and cuBLAS spends two launches on it (a split-K product and its reduction). Here
+one launch spreads the weight over many programs, each multiplying one (BLOCK_N x BLOCK_K) tile
+by every row, and leaves the split partial sums (num_splits, num_tokens, N) in float32. The
+reduction is folded into the consumer: `ops.fused_add_rms_norm` takes such partials as its
+input, so the residual add, the sum of the splits and the next norm are one kernel.
+
+Math: `mambaserve.ops.reference.linear_partials`. This module knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 16  # more rows than this: a tensor-core matrix product is the better tool
+
+
+@triton.jit
+def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, N, K, stride_x, stride_w, stride_os, stride_ot,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[s, t, n] = w[n, s-block] . x[t, s-block] for every row t, one weight tile per program."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = tl.program_id(1)
+    offs_k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    for t in range(num_tokens):
+        xv = tl.load(x_ptr + t * stride_x + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + s * stride_os + t * stride_ot + offs_n, tl.sum(w * xv[None, :], axis=1), mask=n_mask)
+
+
+def linear_partials_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x: (num_tokens, K), stride 1 along K, num_tokens <= MAX_TOKENS; weight: (N, K), stride 1
+    along K, x's dtype. Returns (num_splits, num_tokens, N) float32 whose sum over the first
+    axis is x @ weight^T. Raises ValueError on bad shapes."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"x must be (num_tokens, K) and weight (N, K), got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"linear_partials is for at most {MAX_TOKENS} rows, got {x.shape[0]}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    num_tokens, K = x.shape
+    N = weight.shape[0]
+    on_gpu = x.is_cuda
+    block_n, block_k = (16, 512) if on_gpu else (8, 32)
+    splits = triton.cdiv(K, block_k)
+    out = torch.empty(splits, num_tokens, N, dtype=torch.float32, device=x.device)
+    if num_tokens and N:
+        _linear_partials_kernel[(triton.cdiv(N, block_n), splits)](
+            x, weight, out, num_tokens, N, K, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out
