@@ -292,7 +292,8 @@ def fused_add_rms_norm(
     x, residual: (num_tokens, hidden), residual with feature stride 1; weight: (hidden,).
     x may also be (num_parts, num_tokens, hidden) partial sums of the added term (as
     `linear_partials` or `fused_moe(..., as_partials=True)` leave them), summed in order in
-    float32; the result is then in residual's dtype. Raises ValueError when shapes disagree.
+    float32 in a fixed order; the result is then in residual's dtype. Raises ValueError when
+    shapes disagree.
     """
     rows = x.shape[-2:] if x.dim() in (2, 3) else None
     _check(rows is not None and residual.shape == rows, f"x must be (num_tokens, hidden) or (num_parts, num_tokens, "

@@ -24,7 +24,7 @@ def _rms_norm_gated_kernel(
     num_rows, group_size, eps, alpha, num_parts,
     stride_x_m, stride_z_m, stride_o_m, stride_r_m, stride_x_p,
     HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PARTS_BLOCK: tl.constexpr,
 ):
     # HAS_RESIDUAL: res <- res + alpha * x (rounded to res's dtype, stored in place) and the
     # rounded sum is what gets normalised: the residual stream's add fused into the next norm.
@@ -40,11 +40,14 @@ def _rms_norm_gated_kernel(
     if SINGLE_PASS:
         mask = row_mask[:, None] & (cols < group_size)[None, :]
         c = col0 + cols
-        v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        if PARTS_BLOCK > 1:  # one row per program (BLOCK_M == 1): every part loaded at once, summed
+            parts = tl.arange(0, PARTS_BLOCK)
+            tile = tl.load(x_ptr + parts[:, None] * stride_x_p + rows * stride_x_m + c[None, :],
+                           mask=(parts < num_parts)[:, None] & mask, other=0.0).to(tl.float32)
+            v = tl.sum(tile, axis=0)[None, :]
+        else:
+            v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
-            for p in range(1, num_parts):
-                v += tl.load(x_ptr + p * stride_x_p + rows[:, None] * stride_x_m + c[None, :], mask=mask,
-                             other=0.0).to(tl.float32)
             r_ptrs = res_ptr + rows[:, None] * stride_r_m + c[None, :]
             r = (tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32) + alpha * v).to(res_ptr.dtype.element_ty)
             tl.store(r_ptrs, r, mask=mask)
@@ -141,7 +144,10 @@ def rms_norm_gated_triton(
     single = triton.next_power_of_2(group_size) <= MAX_BLOCK_N
     block_n = triton.next_power_of_2(group_size) if single else MAX_BLOCK_N // 2
     block_m = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(num_rows)))
-    num_warps = 4 if block_m * block_n <= 2048 else 8
+    parts_block = 1
+    if parts is not None and parts.shape[0] > 1 and single:
+        parts_block, block_m = triton.next_power_of_2(parts.shape[0]), 1
+    num_warps = 4 if parts_block * block_m * block_n <= 2048 else 8
     zz = z if z is not None else x
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
         raise ValueError(f"residual must be {tuple(x.shape)} with stride 1 along features")
@@ -152,6 +158,7 @@ def rms_norm_gated_triton(
         1 if parts is None else parts.shape[0],
         x.stride(0), zz.stride(0), out.stride(0), rr.stride(0), 0 if parts is None else parts.stride(0),
         HAS_Z=z is not None, NORM_BEFORE_GATE=bool(norm_before_gate), SINGLE_PASS=single,
-        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_RESIDUAL=residual is not None, BLOCK_M=block_m, BLOCK_N=block_n, PARTS_BLOCK=parts_block,
+        num_warps=num_warps,
     )
     return out

@@ -83,8 +83,9 @@ def test_packed_prefill_then_decode_matches_transformers(name, device, dtype, to
     h = Harness(ours, len(LENS), max(LENS) + n_decode, device=device)
 
     # In bfloat16 the bar is transformers' own bfloat16 error on the same input: ours may be
-    # at most twice as far from the float32 logits (random tiny models amplify rounding, and a
-    # MoE's expert choice can flip), and never beyond `tol` when transformers' is smaller.
+    # at most three times as far from the float32 logits (random tiny models amplify rounding,
+    # and a MoE's expert choice near a tie can flip in one and not the other; a real bug is off
+    # by O(1)), and is held to `tol` when transformers' is smaller.
     hf_low = copy.deepcopy(hf).to(device, getattr(torch, dtype)) if dtype != "float32" else None
 
     def bar(ids, rows):
@@ -92,7 +93,7 @@ def test_packed_prefill_then_decode_matches_transformers(name, device, dtype, to
         if hf_low is None:
             return ref, tol
         low = hf_low(torch.tensor([ids], device=device)).logits[0, rows].float().cpu()
-        return ref, max(tol, 2 * rel_err(low, ref))
+        return ref, max(tol, 3 * rel_err(low, ref))
 
     got = h.step({i: p for i, p in enumerate(prompts)})
     with torch.no_grad():
