@@ -88,6 +88,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             return self.config.cpu_cache_bytes
         activations = self._profile_activation_bytes()
+        if self.config.resolved_compilation_mode() in ("piecewise", "full_and_piecewise"):
+            # the piecewise graphs' private pool keeps one full-budget forward's activations for
+            # good, and eager steps (and the capture's own warm-up runs) need as much beside it
+            activations *= 2
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
         weights = torch.cuda.memory_allocated(self.device) - self._allocated_before

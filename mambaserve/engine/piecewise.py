@@ -122,6 +122,7 @@ class PiecewiseGraphRunner:
                 ctx = self._capture_context(T)
                 self.model(self.input_ids[:T], self.positions[:T], ctx)  # warm-up: compile kernels
                 torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()  # the warm-up's blocks back to the driver, for the graph pool
                 piece = _Piece()
                 recorder = _Recorder(piece, self.pool, ctx, buffers)
                 graph_split.set_recorder(recorder)
