@@ -21,9 +21,9 @@ case "${1:-}" in
     ;;
   families)
     # issue 11: eager and graphed, batch 1 and 32 (one warm-up, two timed iterations: eager decode is slow)
-    for m in zamba2-2.7b nemotron-h-8b; do
-      for mode in "" "--enforce-eager"; do
-        for b in 1 32; do
+    for mode in "" "--enforce-eager"; do
+      for b in 1 32; do
+        for m in zamba2-2.7b nemotron-h-8b; do
           timeout 75 python3 -m mambaserve.entrypoints.cli bench latency --model "benchmarks/configs/$m.json" --load-format dummy \
             --dtype bfloat16 --input-len 1024 --output-len 128 --batch-size "$b" --num-iters-warmup 1 --num-iters 2 \
             --max-model-len 2048 --max-num-batched-tokens 4096 --disable-tqdm $mode --output-json "$OUT/latency-$m-bs$b${mode:+-eager}.json" 2>&1 \
