@@ -90,8 +90,10 @@ class ModelRunner:
         activations = self._profile_activation_bytes()
         if self.config.resolved_compilation_mode() in ("piecewise", "full_and_piecewise"):
             # the piecewise graphs' private pool keeps one full-budget forward's activations for
-            # good, and eager steps (and the capture's own warm-up runs) need as much beside it
-            activations *= 2
+            # good, their split points' input and output buffers (one set per captured size) take
+            # about as much again, and eager steps (and the capture's warm-up runs) need as much
+            # beside them
+            activations = 3 * activations + (1 << 30)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
         weights = torch.cuda.memory_allocated(self.device) - self._allocated_before
