@@ -69,6 +69,30 @@ def engine_record(llm) -> dict:
     }
 
 
+def memory_record(llm) -> dict:
+    """What the engine holds (weights, state and KV caches, in bytes) and, on a GPU, the peak
+    of allocated device memory so far in this process (torch's counter: weights, caches, CUDA
+    graph pools and the largest step's activations)."""
+    import torch
+
+    runner = llm.llm_engine.runner
+    rec = dict(getattr(runner, "memory", {}))
+    if runner.device.type == "cuda":
+        rec["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated(runner.device)
+        rec["gpu_total_bytes"] = torch.cuda.get_device_properties(runner.device).total_memory
+    return rec
+
+
+def format_memory(rec: dict) -> str:
+    """One line for humans: 'peak GPU memory 21.4 GiB (weights 13.6, state caches 2.1, KV 4.0 GiB)'."""
+    gib = 2**30
+    parts = (f"weights {rec.get('weights_bytes', 0) / gib:.2f}, state caches {rec.get('state_cache_bytes', 0) / gib:.2f}, "
+             f"KV cache {rec.get('kv_cache_bytes', 0) / gib:.2f} GiB")
+    if "peak_gpu_allocated_bytes" in rec:
+        return f"peak GPU memory {rec['peak_gpu_allocated_bytes'] / gib:.2f} GiB ({parts})"
+    return f"engine memory: {parts}"
+
+
 def args_record(args: argparse.Namespace) -> dict:
     """Every parsed flag, JSON-safe (the CLI's dispatch function left out)."""
     return {k: v for k, v in vars(args).items() if not callable(v)}

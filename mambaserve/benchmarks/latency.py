@@ -14,8 +14,8 @@ import argparse
 import sys
 import time
 
-from mambaserve.benchmarks.common import (PERCENTILES, args_record, engine_record, environment_info, percentiles,
-                                          resolve_skip_tokenizer, write_json)
+from mambaserve.benchmarks.common import (PERCENTILES, args_record, engine_record, environment_info, memory_record,
+                                          percentiles, resolve_skip_tokenizer, write_json)
 from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
 
 
@@ -125,6 +125,6 @@ def main(args: argparse.Namespace, llm=None) -> int:
     print_latency(rec)
     if args.output_json:
         record = {"benchmark": "latency", "environment": environment_info(device=config.resolved_device()),
-                  **engine_record(llm), "args": args_record(args), **rec}
+                  **engine_record(llm), "memory": memory_record(llm), "args": args_record(args), **rec}
         write_json(args.output_json, record)
     return 0

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from mambaserve.benchmarks.common import (args_record, engine_record, environment_info, resolve_skip_tokenizer,
-                                          write_json)
+from mambaserve.benchmarks.common import (args_record, engine_record, environment_info, memory_record,
+                                          resolve_skip_tokenizer, write_json)
 from mambaserve.benchmarks.datasets import RANDOM, SYNTHETIC, BenchRequest, build_requests
 from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
 
@@ -107,7 +107,7 @@ def main(args: argparse.Namespace, llm=None) -> int:
     print_throughput(rec)
     if args.output_json:
         record = {"benchmark": "throughput", "environment": environment_info(device=config.resolved_device()),
-                  **engine_record(llm), "args": args_record(args),
+                  **engine_record(llm), "memory": memory_record(llm), "args": args_record(args),
                   "dataset": args.dataset, **rec}
         write_json(args.output_json, record)
     return 0

@@ -174,6 +174,13 @@ class ModelRunner:
         self.num_slots, self.num_blocks = int(num_slots), int(num_blocks)
         self.max_num_seqs, self.max_model_len = int(max_num_seqs), int(max_model_len)
         self.scratch_slot = self.num_slots - 1  # reserved: padding rows of CUDA graphs
+        # bytes of what the engine holds for good (reported by `generate` and the benchmarks)
+        self.memory = {
+            "weights_bytes": sum(t.numel() * t.element_size() for t in
+                                 {id(p): p for p in self.model.parameters()}.values()),
+            "state_cache_bytes": self.num_slots * slot_bytes,
+            "kv_cache_bytes": self.num_blocks * block_bytes if self.has_attention else 0,
+        }
         logger.info("caches: %d state slots (%.1f MiB each), %d KV blocks of %d tokens", self.num_slots,
                     slot_bytes / 2**20, self.num_blocks, self.block_size)
 

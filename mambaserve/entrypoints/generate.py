@@ -40,5 +40,8 @@ def run(args: argparse.Namespace) -> int:
             if len(prompts) > 1 or len(out.outputs) > 1:
                 print(f"=== prompt: {out.prompt!r} (completion {c.index}, {c.finish_reason})")
             print((out.prompt or "") + c.text)
-    print(f"[{n_tokens} tokens in {elapsed:.2f} s, {n_tokens / max(elapsed, 1e-9):.1f} tokens/s]", file=sys.stderr)
+    from mambaserve.benchmarks.common import format_memory, memory_record
+
+    print(f"[{n_tokens} tokens in {elapsed:.2f} s, {n_tokens / max(elapsed, 1e-9):.1f} tokens/s; "
+          f"{format_memory(memory_record(llm))}]", file=sys.stderr)
     return 0

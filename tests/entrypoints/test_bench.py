@@ -146,6 +146,9 @@ def test_bench_latency(tmp_path, capsys):
     check_latency(rec, 5, 3, 2, 3)
     assert rec["compilation_mode"] == "eager"
     assert rec["engine_resolved"]["max_model_len"] == 5 + 3  # latency sizes the engine to the workload
+    mem = rec["memory"]  # what the engine holds: the weights' bytes are the checkpoint's parameters'
+    assert mem["weights_bytes"] > 0 and mem["state_cache_bytes"] > 0 and mem["kv_cache_bytes"] > 0
+    assert "peak_gpu_allocated_bytes" not in mem  # a CPU run
     args = rec["args"]
     assert args["input_len"] == 5 and args["num_iters_warmup"] == 1 and args["dtype"] == "float32"
     assert args["skip_tokenizer_init"] is True  # the tiny checkpoint has no tokenizer
