@@ -89,16 +89,20 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _combine_kernel(y_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, hidden, stride_y, stride_a, stride_o,
-                    TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = (add[t] +) sum_k w[t, k] * y[inv[t, k]], the k terms added in order, in float32."""
+                    TOP_K: tl.constexpr, GATHER: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = (add[t] +) sum_k w[t, k] * y[inv[t, k]] (GATHER: rows in expert order) or
+    sum_k y[t * TOP_K + k] (rows in pair order, already weighted), added in order in float32."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        row = tl.load(inv_ptr + t * TOP_K + k).to(tl.int64)
-        w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
-        acc += w * tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        if GATHER:
+            row = tl.load(inv_ptr + t * TOP_K + k).to(tl.int64)
+            w = tl.load(w_ptr + t * TOP_K + k).to(tl.float32)
+            acc += w * tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(y_ptr + (t * TOP_K + k) * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_ADD:
         acc += tl.load(add_ptr + t * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -159,21 +163,6 @@ def _direct_down_kernel(part_ptr, w2_ptr, ids_ptr, wts_ptr, y_ptr, hidden, inter
         w = tl.load(w_rows + offs_i[None, :], mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * act[None, :], axis=1)
     tl.store(y_ptr + p * stride_yp + offs_n, weight * acc, mask=n_mask)
-
-
-@triton.jit
-def _direct_combine_kernel(y_ptr, add_ptr, out_ptr, hidden, stride_a, stride_o,
-                           TOP_K: tl.constexpr, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
-    """out[t] = (add[t] +) sum_k y[t * TOP_K + k], the terms added in order, in float32."""
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < hidden
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (t * TOP_K + k) * hidden + cols, mask=mask, other=0.0)
-    if HAS_ADD:
-        acc += tl.load(add_ptr + t * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -334,9 +323,10 @@ def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials=False):
     if as_partials:  # (top_k, num_tokens, hidden): the consumer adds the weighted pairs
         return y.view(num_tokens, top_k, hidden).transpose(0, 1)
     block = min(1024, _next_pow2(hidden))
-    _direct_combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, add if add is not None else out, out, hidden, add.stride(0) if add is not None else 0, out.stride(0),
-        TOP_K=top_k, HAS_ADD=add is not None, BLOCK=block)
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
+        y, ids, y, add if add is not None else out, out, hidden, y.stride(0),
+        add.stride(0) if add is not None else 0, out.stride(0), TOP_K=top_k, GATHER=False,
+        HAS_ADD=add is not None, BLOCK=block)
     return out
 
 
@@ -503,5 +493,6 @@ def fused_moe_triton(
     block = min(1024, _next_pow2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, inv, weights, add if add is not None else out, out, hidden, y.stride(0),
-        add.stride(0) if add is not None else 0, out.stride(0), TOP_K=top_k, HAS_ADD=add is not None, BLOCK=block)
+        add.stride(0) if add is not None else 0, out.stride(0), TOP_K=top_k, GATHER=True, HAS_ADD=add is not None,
+        BLOCK=block)
     return out[None] if as_partials else out
