@@ -56,6 +56,28 @@ class ForwardContext:
         """True when every sequence is a one-token decode (the decode kernels apply)."""
         return self.num_decodes == self.batch_size
 
+    def prefill_part(self) -> "ForwardContext":
+        """The context of the sequences after the leading decodes, with rows renumbered from
+        the first of them (row num_decodes of this step is their row 0): a layer that runs the
+        decodes through one-step kernels runs the rest through this. Built once per step (kept
+        in `metadata`), so every layer shares it and the kernel metadata cached in it."""
+        part = self.metadata.get("prefill_part")
+        if part is None:
+            nd = self.num_decodes  # one row each
+            meta = {}
+            if "query_start_loc_host" in self.metadata and "seq_lens_host" in self.metadata:
+                meta = {"query_start_loc_host": [q - nd for q in self.metadata["query_start_loc_host"][nd:]],
+                        "seq_lens_host": list(self.metadata["seq_lens_host"][nd:])}
+            part = ForwardContext(
+                query_start_loc=self.query_start_loc[nd:] - nd, seq_lens=self.seq_lens[nd:],
+                state_indices=self.state_indices[nd:], has_initial_state=self.has_initial_state[nd:],
+                block_table=None if self.block_table is None else self.block_table[nd:],
+                slot_mapping=None if self.slot_mapping is None else self.slot_mapping[nd:],
+                num_decodes=0, num_tokens=self.num_tokens - nd, max_query_len=self.max_query_len,
+                max_seq_len=self.max_seq_len, mamba_caches=self.mamba_caches, kv_caches=self.kv_caches, metadata=meta)
+            self.metadata["prefill_part"] = part
+        return part
+
     @classmethod
     def build(
         cls,

@@ -108,29 +108,46 @@ class Mamba2Mixer(nn.Module):
     def ssm(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The state-dependent core: conv1d and the selective scan (or their one-step updates).
 
-        zxbcdt: (num_tokens, I + conv_dim + nheads) from in_proj. Returns y (num_tokens, I),
-        before the gated norm. Reads and writes this layer's state slots of `ctx`.
+        zxbcdt: (num_tokens, I + conv_dim + H) from in_proj. Returns y (num_tokens, I),
+        before the gated norm. Reads and writes this layer's state slots of `ctx`. The leading
+        decodes of a mixed step take the one-step kernels (conv update, state update: one read
+        and one write of each state), the prefills the chunked ones, in the same forward.
         """
         T = zxbcdt.shape[0]
-        H, P, G, N, I = self.num_heads, self.head_dim, self.n_groups, self.d_state, self.intermediate_size
-        conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
+        I = self.intermediate_size
         xBC = zxbcdt[:, I : I + self.conv_dim]  # column slice: the conv reads it in place
         dt = zxbcdt[:, I + self.conv_dim :]
+        nd = ctx.num_decodes
+        if ctx.decode_only:
+            return self._decode_rows(xBC, dt, ctx.state_indices, ctx).view(T, I)
+        if nd == 0:
+            return self._prefill_rows(xBC, dt, ctx).view(T, I)
+        y = zxbcdt.new_empty(T, I)
+        y[:nd] = self._decode_rows(xBC[:nd], dt[:nd], ctx.state_indices[:nd], ctx).view(nd, I)
+        y[nd:] = self._prefill_rows(xBC[nd:], dt[nd:], ctx.prefill_part()).view(T - nd, I)
+        return y
+
+    def _split_xbc(self, xBC: torch.Tensor):
+        T = xBC.shape[0]
+        H, P, G, N, I = self.num_heads, self.head_dim, self.n_groups, self.d_state, self.intermediate_size
+        return (xBC[:, :I].view(T, H, P), xBC[:, I : I + G * N].view(T, G, N), xBC[:, I + G * N :].view(T, G, N))
+
+    def _decode_rows(self, xBC, dt, state_indices, ctx: ForwardContext) -> torch.Tensor:
+        """One token per sequence, each with a state: conv update and state update, (n, H, P)."""
+        conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
-        A = self.decay_rates()
-        if ctx.decode_only:
-            xBC = ops.causal_conv1d_update(xBC, conv_states, weight, self.conv1d.bias, ctx.state_indices)
-        else:
-            xBC = ops.causal_conv1d(xBC, weight, self.conv1d.bias, conv_states, ctx.query_start_loc,
-                                    ctx.state_indices, ctx.has_initial_state, metadata=ctx.metadata)
-        x = xBC[:, :I].view(T, H, P)
-        B = xBC[:, I : I + G * N].view(T, G, N)
-        C = xBC[:, I + G * N :].view(T, G, N)
-        if ctx.decode_only:
-            y = ops.selective_state_update(ssm_states, x, dt, A, B, C, self.D, None, self.dt_bias,
-                                           ctx.state_indices, dt_softplus=True, dt_limit=self.dt_limit)
-        else:
-            y = ops.mamba_chunk_scan(x, dt, A, B, C, self.chunk_size, self.D, None, self.dt_bias, ssm_states,
-                                     ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
-                                     dt_softplus=True, dt_limit=self.dt_limit, metadata=ctx.metadata)
-        return y.view(T, I)
+        xBC = ops.causal_conv1d_update(xBC, conv_states, weight, self.conv1d.bias, state_indices)
+        x, B, C = self._split_xbc(xBC)
+        return ops.selective_state_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, None, self.dt_bias,
+                                          state_indices, dt_softplus=True, dt_limit=self.dt_limit)
+
+    def _prefill_rows(self, xBC, dt, ctx: ForwardContext) -> torch.Tensor:
+        """Variable-length sequences of ctx: varlen conv and the chunked scan, (rows, H, P)."""
+        conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
+        weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        xBC = ops.causal_conv1d(xBC, weight, self.conv1d.bias, conv_states, ctx.query_start_loc,
+                                ctx.state_indices, ctx.has_initial_state, metadata=ctx.metadata)
+        x, B, C = self._split_xbc(xBC)
+        return ops.mamba_chunk_scan(x, dt, self.decay_rates(), B, C, self.chunk_size, self.D, None, self.dt_bias,
+                                    ssm_states, ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
+                                    dt_softplus=True, dt_limit=self.dt_limit, metadata=ctx.metadata)

@@ -151,14 +151,17 @@ def test_triton_kernels_match_the_reference_ops_in_a_model(name):
     lens = [1, 3, 11]
     prompts = [torch.randint(3, vocab, (n,)).tolist() for n in lens]
     nxt = [[int(t)] for t in torch.randint(3, vocab, (len(lens),))]
+    steps = [
+        {0: prompts[0], 1: prompts[1], 2: prompts[2][:5]},  # prefills (one a first chunk)
+        {0: nxt[0], 1: nxt[1], 2: prompts[2][5:]},  # mixed: two decodes, then a chunk with a state
+        {i: nxt[i] for i in range(len(lens))},  # decodes only
+    ]
     results = {}
     for name_ in ("reference", "triton"):
-        h = Harness(ours, len(lens), max(lens) + 2)
+        h = Harness(ours, len(lens), max(lens) + 3)
         with ops.backend(name_):
-            first = h.step({i: p for i, p in enumerate(prompts)})
-            second = h.step({i: nxt[i] for i in range(len(lens))})  # decodes: one token each
-        results[name_] = (first, second)
-    for step in range(2):
-        for i in range(len(lens)):
+            results[name_] = [h.step(chunks) for chunks in steps]
+    for step, chunks in enumerate(steps):
+        for i in chunks:
             a, b = results["triton"][step][i], results["reference"][step][i]
             assert rel_err(a, b) < 1e-4, f"step {step} sequence {i}"
