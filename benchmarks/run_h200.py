@@ -48,13 +48,14 @@ MAX_MODEL_LEN = 32768  # the 31,500 + 128 workload fits
 LATENCY = {
     "graphed": [("in1024-out128-bs1", 1024, 128, 1, 2, 5), ("in31500-out128-bs1", 31500, 128, 1, 1, 3),
                 ("in1024-out128-bs32", 1024, 128, 32, 1, 3)],
-    "eager": [("in1024-out128-bs1", 1024, 128, 1, 1, 3), ("in31500-out128-bs1", 31500, 128, 1, 1, 2),
-              ("in1024-out128-bs32", 1024, 128, 32, 1, 2)],
+    # eager decode is host-bound (about 40-50 ms a token): fewer iterations, so all three fit
+    "eager": [("in1024-out128-bs1", 1024, 128, 1, 1, 2), ("in31500-out128-bs1", 31500, 128, 1, 1, 2),
+              ("in1024-out128-bs32", 1024, 128, 32, 1, 1)],
     "hf": [("in1024-out128-bs1", 1024, 128, 1, 0, 1), ("in1024-out128-bs32", 1024, 128, 32, 0, 1)],
 }
 NUM_PROMPTS = 1000
 SKIPPED = {("hf", "in31500-out128-bs1"): "transformers runs out of memory on a 31,500-token prompt (issue 6)"}
-CAP_S = {"graphed": 150, "hf": 100, "eager": 75}  # most seconds one worker may take
+CAP_S = {"graphed": 150, "hf": 100, "eager": 90}  # most seconds one worker may take
 FLOOR_S = {"graphed": 45, "hf": 40, "eager": 35}  # kept back for each worker still to come
 SMOKE = {"latency": (12, 3, 2, 0, 1), "num_prompts": 4, "output_len": 3}
 
