@@ -153,6 +153,6 @@ class DecodeGraphRunner:
         self._i64.copy_(self._host_i64, non_blocking=True)  # whole buffers: one contiguous copy each
         self._i32.copy_(self._host_i32, non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

@@ -64,11 +64,19 @@ class ModelRunner:
         if self.compilation_mode == "full_and_piecewise":
             self._capture_decode_graphs()
 
+    def _piecewise_sizes(self) -> list[int]:
+        """Token counts of the piecewise graphs: up to the step budget, or to the model's own
+        cap (`max_piecewise_tokens`: a layer whose capture path costs more than its eager one)."""
+        from mambaserve.engine.piecewise import default_piecewise_sizes
+
+        cap = getattr(self.model, "max_piecewise_tokens", None) or self.max_num_batched_tokens
+        return default_piecewise_sizes(min(self.max_num_batched_tokens, cap))
+
     def _capture_piecewise_graphs(self) -> None:
-        from mambaserve.engine.piecewise import PiecewiseGraphRunner, default_piecewise_sizes
+        from mambaserve.engine.piecewise import PiecewiseGraphRunner
 
         self.piecewise_graphs = PiecewiseGraphRunner(
-            self.model, self.caches, sizes=default_piecewise_sizes(self.max_num_batched_tokens),
+            self.model, self.caches, sizes=self._piecewise_sizes(),
             block_size=self.block_size, has_attention=self.has_attention, device=self.device)
         self.piecewise_graphs.capture()
 
@@ -89,11 +97,11 @@ class ModelRunner:
             return self.config.cpu_cache_bytes
         activations = self._profile_activation_bytes()
         if self.config.resolved_compilation_mode() in ("piecewise", "full_and_piecewise"):
-            # the piecewise graphs' private pool keeps one full-budget forward's activations for
-            # good, their split points' input and output buffers (one set per captured size) take
-            # about as much again, and eager steps (and the capture's warm-up runs) need as much
-            # beside them
-            activations = 3 * activations + (1 << 30)
+            # the piecewise graphs' private pool keeps the activations of their largest captured
+            # step for good and their split points' buffers (one set per captured size) take
+            # about as much again, beside what eager steps (and the capture's warm-up) need
+            largest = max(self._piecewise_sizes())
+            activations += int(2 * activations * min(1.0, largest / self.max_num_batched_tokens)) + (1 << 30)
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info(self.device)
         weights = torch.cuda.memory_allocated(self.device) - self._allocated_before

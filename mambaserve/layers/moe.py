@@ -54,14 +54,16 @@ class GraniteMoE(nn.Module):
         self.input_linear = _ExpertWeights(num_experts, 2 * intermediate_size, hidden_size)
         self.output_linear = _ExpertWeights(num_experts, hidden_size, intermediate_size)
         self.num_shared = 0  # extra always-on experts holding an absorbed shared expert
-        self._w1_all = self._w2_all = None
 
     @torch.no_grad()
     def absorb_shared_expert(self, shared: nn.Module) -> bool:
         """Move a FusedGatedMLP (input_linear (2S, H) = [gate; up], output_linear (H, S)) into
-        extra experts when S is a multiple of the expert size I: S / I experts. The routed
-        weights become views of the (E + S / I)-expert tensors (no second copy). Returns
-        False (and changes nothing) when the sizes don't fit."""
+        extra experts when S is a multiple of the expert size I: S / I experts, appended to the
+        stacked weights, which then hold E + S / I experts (one tensor each, so `.to()` and the
+        memory count see them whole; the router still picks among the first E). Returns False
+        (and changes nothing) when the sizes don't fit or a shared expert is already absorbed."""
+        if self.num_shared:
+            return False
         w1, w2 = self.input_linear.weight, self.output_linear.weight
         E, two_i, H = w1.shape
         inter = two_i // 2
@@ -78,9 +80,9 @@ class GraniteMoE(nn.Module):
             w1_all[E + j, :inter] = s_in[:S][rows]  # gate slice
             w1_all[E + j, inter:] = s_in[S:][rows]  # up slice
             w2_all[E + j] = s_out[:, rows]
-        self.input_linear.weight = nn.Parameter(w1_all[:E], requires_grad=False)
-        self.output_linear.weight = nn.Parameter(w2_all[:E], requires_grad=False)
-        self._w1_all, self._w2_all, self.num_shared = w1_all, w2_all, n
+        self.input_linear.weight = nn.Parameter(w1_all, requires_grad=False)
+        self.output_linear.weight = nn.Parameter(w2_all, requires_grad=False)
+        self.num_shared = n
         return True
 
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, partials: bool = False) -> torch.Tensor:
@@ -89,11 +91,8 @@ class GraniteMoE(nn.Module):
         summing to the output, for `RMSNorm.add_and_norm` to add (see ops.fused_moe)."""
         # (T, top_k + num_shared) each: the absorbed shared expert's slices are always on
         top_weights, top_ids = ops.router_topk(x, self.router.layer.weight, self.top_k, x.dtype, self.num_shared)
-        if self.num_shared:
-            w1, w2 = self._w1_all, self._w2_all
-        else:
-            w1, w2 = self.input_linear.weight, self.output_linear.weight
-        return ops.fused_moe(x, w1, w2, top_weights, top_ids, add, as_partials=partials)
+        return ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids, add,
+                             as_partials=partials)
 
 
 class SigmoidGroupRouter(nn.Module):

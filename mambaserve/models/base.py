@@ -95,11 +95,16 @@ class HybridForCausalLM(nn.Module):
       None means the model dtype.
     - checkpoint_ignore_prefixes: checkpoint tensors the model does not use (e.g. Nemotron's
       multi-token-prediction head "mtp."), skipped by the loader instead of rejected.
+    - max_piecewise_tokens: the largest step the engine captures as piecewise CUDA graphs
+      (None: up to its step budget), for models whose capture path costs more than eager.
+    - finalize_weights(): called by the loader once the weights are in (layouts derived from
+      them, e.g. Granite's shared expert joining its MoE).
     """
 
     logits_scale: float = 1.0
     default_mamba_ssm_cache_dtype: str | None = None
     checkpoint_ignore_prefixes: tuple[str, ...] = ()
+    max_piecewise_tokens: int | None = None
 
     def __init__(self, config):
         super().__init__()

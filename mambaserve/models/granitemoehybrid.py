@@ -77,7 +77,8 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         """After loading: each layer's shared expert joins its MoE as always-on experts when
         the sizes allow (GraniteMoE.absorb_shared_expert); its own module is then dropped."""
         for layer in self.model.layers:
-            if layer.block_sparse_moe is not None and layer.block_sparse_moe.absorb_shared_expert(layer.shared_mlp):
+            moe, shared = layer.block_sparse_moe, layer.shared_mlp
+            if moe is not None and shared is not None and moe.absorb_shared_expert(shared):
                 layer.shared_mlp = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -162,6 +162,10 @@ class NemotronHForCausalLM(HybridForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         self.backbone = _Backbone(config)
+        if any(layer.kind == "moe" for layer in self.backbone.layers):
+            # while a CUDA graph is captured its experts run on every token (UngatedExperts): keep
+            # the piecewise graphs to small steps, where that costs less than launching eagerly
+            self.max_piecewise_tokens = 512
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # transformers never ties Nemotron-H's lm_head to the embeddings (its tied-weights map is
         # empty) and saves lm_head.weight whatever tie_word_embeddings says; the loader reads the

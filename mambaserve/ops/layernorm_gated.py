@@ -40,11 +40,13 @@ def _rms_norm_gated_kernel(
     if SINGLE_PASS:
         mask = row_mask[:, None] & (cols < group_size)[None, :]
         c = col0 + cols
-        if PARTS_BLOCK > 1:  # one row per program (BLOCK_M == 1): every part loaded at once, summed
+        if PARTS_BLOCK > 1:  # one row per program (BLOCK_M == 1): PARTS_BLOCK parts per load, summed
             parts = tl.arange(0, PARTS_BLOCK)
-            tile = tl.load(x_ptr + parts[:, None] * stride_x_p + rows * stride_x_m + c[None, :],
-                           mask=(parts < num_parts)[:, None] & mask, other=0.0).to(tl.float32)
-            v = tl.sum(tile, axis=0)[None, :]
+            v = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for p0 in range(0, num_parts, PARTS_BLOCK):
+                tile = tl.load(x_ptr + (p0 + parts)[:, None] * stride_x_p + rows * stride_x_m + c[None, :],
+                               mask=((p0 + parts) < num_parts)[:, None] & mask, other=0.0).to(tl.float32)
+                v += tl.sum(tile, axis=0)[None, :]
         else:
             v = tl.load(x_ptr + rows[:, None] * stride_x_m + c[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
@@ -146,7 +148,9 @@ def rms_norm_gated_triton(
     block_m = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(num_rows)))
     parts_block = 1
     if parts is not None and parts.shape[0] > 1 and single:
-        parts_block, block_m = triton.next_power_of_2(parts.shape[0]), 1
+        # at most 16K values per load (registers): hidden 4,096 takes four parts at a time
+        parts_block = min(triton.next_power_of_2(parts.shape[0]), max(2, 16384 // block_n))
+        block_m = 1
     num_warps = 4 if parts_block * block_m * block_n <= 2048 else 8
     zz = z if z is not None else x
     if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):

@@ -170,9 +170,11 @@ def _store_topk(row, offs, num_experts, w_ptr, ids_ptr, base,
                 TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr):
     """Write the TOP_K largest of `row` (float32, -inf past num_experts; the first index among
     equals) with a softmax over them, then NUM_SHARED always-on ids num_experts + j of weight 1,
-    at ids_ptr / w_ptr + base. NaN entries count as -inf (a padding row of a graphed step)."""
+    at ids_ptr / w_ptr + base. NaN entries count as -inf (a padding row of a graphed step); a row
+    with no finite entry gets distinct in-range ids and weights 0."""
     row = tl.where(row == row, row, float("-inf"))
     top = tl.max(row, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # a row of no finite logit: weights 0, not NaN
     if BLOCK_E <= 64:
         # all at once: rank_e = number of entries ahead of e (larger, or equal at a lower index)
         ahead = (row[None, :] > row[:, None]) | ((row[None, :] == row[:, None]) & (offs[None, :] < offs[:, None]))
@@ -180,23 +182,27 @@ def _store_topk(row, offs, num_experts, w_ptr, ids_ptr, base,
         chosen = rank < TOP_K
         p = tl.where(chosen, tl.exp(row - top), 0.0)
         denom = tl.sum(p, 0)
+        denom = tl.where(denom > 0.0, denom, 1.0)
         tl.store(ids_ptr + base + rank, offs, mask=chosen)
         tl.store(w_ptr + base + rank, (p / denom).to(w_ptr.dtype.element_ty), mask=chosen)
     else:  # wide rows: TOP_K rounds of arg-max (the comparison matrix would not fit)
-        v = row
+        taken = offs >= num_experts  # past the experts, and each round's pick: never picked again
         denom = 0.0
         for _ in tl.static_range(TOP_K):
+            v = tl.where(taken, float("-inf"), row)
             m = tl.max(v, 0)
-            idx = tl.min(tl.where(v == m, offs, BLOCK_E), 0)
+            idx = tl.min(tl.where((v == m) & ~taken, offs, BLOCK_E), 0)
             denom += tl.exp(m - top)
-            v = tl.where(offs == idx, float("-inf"), v)
-        v = row
+            taken = taken | (offs == idx)
+        denom = tl.where(denom > 0.0, denom, 1.0)
+        taken = offs >= num_experts
         for k in tl.static_range(TOP_K):
+            v = tl.where(taken, float("-inf"), row)
             m = tl.max(v, 0)
-            idx = tl.minimum(tl.min(tl.where(v == m, offs, BLOCK_E), 0), num_experts - 1)
+            idx = tl.min(tl.where((v == m) & ~taken, offs, BLOCK_E), 0)
             tl.store(ids_ptr + base + k, idx)
             tl.store(w_ptr + base + k, (tl.exp(m - top) / denom).to(w_ptr.dtype.element_ty))
-            v = tl.where(offs == idx, float("-inf"), v)
+            taken = taken | (offs == idx)
     for j in tl.static_range(NUM_SHARED):
         tl.store(ids_ptr + base + TOP_K + j, num_experts + j)
         tl.store(w_ptr + base + TOP_K + j, tl.full([], 1.0, tl.float32).to(w_ptr.dtype.element_ty))

@@ -77,3 +77,24 @@ def test_dummy_weights_from_a_bare_config(tmp_path):
         load_model(path)
     with pytest.raises(ValueError, match="load_format"):
         load_model(path, load_format="pt")
+
+
+def test_granite_shared_expert_absorbed_once_and_moves_with_the_model():
+    """The absorbed shared expert lives in the MoE's own stacked parameters: a second
+    finalize_weights changes nothing, and .to() converts it with the rest of the model."""
+    import torch
+
+    from mambaserve.loader import load_model
+    from tests.models.tiny import checkpoint
+
+    model = load_model(checkpoint("granite-moe-absorbed"), dtype="float32")
+    moe = model.model.layers[0].block_sparse_moe
+    E = model.config.num_local_experts
+    assert moe.num_shared == 2 and moe.input_linear.weight.shape[0] == E + 2
+    x = torch.randn(1, model.config.hidden_size)
+    before = moe(x)
+    model.finalize_weights()  # idempotent
+    assert moe.num_shared == 2 and moe.input_linear.weight.shape[0] == E + 2
+    model.to(torch.float64)
+    assert moe.input_linear.weight.dtype == torch.float64 and moe.output_linear.weight.dtype == torch.float64
+    assert torch.allclose(moe(x.double()).float(), before, atol=1e-5)

@@ -88,6 +88,8 @@ def test_topk_softmax_keeps_ids_in_range_for_nan_rows():
         logits[1] = float("nan")
         logits[2, 3] = float("nan")
         with ops.backend("triton"):
-            _, ids = ops.topk_softmax(logits, 4, torch.float32)
+            w, ids = ops.topk_softmax(logits, 4, torch.float32)
         assert int(ids.min()) >= 0 and int(ids.max()) < E
         assert len(set(ids[0].tolist())) == 4 and 3 not in ids[2].tolist()
+        assert len(set(ids[1].tolist())) == 4  # distinct experts even for a row of NaN
+        assert torch.isfinite(w).all() and float(w[1].abs().sum()) == 0.0  # and weights 0, not NaN

@@ -104,3 +104,16 @@ def test_fused_add_rms_norm_takes_partial_sums(device, two_pass, poison_empty, m
         res_ref = before.clone()
         out_ref = ops.reference.fused_add_rms_norm(x, res_ref, w, 1e-5, 0.5)
         assert rel_err(res_ref, exact) < tolerance(torch.bfloat16) and rel_err(out_ref, out.double()) < tolerance(torch.bfloat16)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_add_rms_norm_many_partial_sums_of_a_wide_row(device, poison_empty):
+    """16 partial sums of a 4,096-wide row: loaded four parts at a time (the register cap)."""
+    parts = torch.randn(16, 2, 4096, device=device)
+    residual = torch.randn(2, 4096, device=device)
+    w = torch.randn(4096, device=device)
+    exact = residual.double() + parts.double().sum(0)
+    with ops.backend("triton"):
+        out = ops.fused_add_rms_norm(parts, residual, w, 1e-5)
+    assert rel_err(residual, exact) < 1e-6
+    assert rel_err(out, ref.rms_norm_gated(exact, w.double(), None, 1e-5, 4096)) < tolerance(torch.float32)
