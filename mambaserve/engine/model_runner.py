@@ -36,6 +36,16 @@ class StepLogits:
 
 
 class ModelRunner:
+    """Owns the model and its caches on one device and runs one forward per step.
+
+    Built from an EngineConfig: loads the model, sizes the state slots and KV blocks to the
+    memory budget (GPU: gpu_memory_utilization of the device, minus weights and a profiled
+    forward; CPU: cpu_cache_bytes), allocates them, and captures CUDA graphs per the
+    compilation mode. `execute(scheduled)` runs a step (decode graphs, piecewise graphs or
+    eagerly) and returns the logits the sampler needs. Raises ValueError when not even one
+    request of max_model_len fits.
+    """
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.resolved_device())

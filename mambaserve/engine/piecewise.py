@@ -108,6 +108,7 @@ class PiecewiseGraphRunner:
         self.pool = None
 
     def padded_size(self, num_tokens: int) -> int | None:
+        """The captured token count a step of num_tokens runs in, or None if it is too large."""
         for s in self.sizes:
             if s >= num_tokens:
                 return s
@@ -126,6 +127,8 @@ class PiecewiseGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture one chained forward per size, largest first (one shared memory pool); every
+        row is padding during capture (state index -1, KV slot -1): no cache is touched."""
         t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
         buffers: dict = {}

@@ -62,6 +62,9 @@ class _Model(nn.Module):
 
 
 class BambaForCausalLM(HybridForCausalLM):
+    """Bamba (ibm-ai-platform/Bamba-9B): Mamba2 and attention decoder layers, each followed by
+    a SwiGLU MLP. forward(input_ids (T,), positions (T,), ctx) -> final-normed hidden (T, hidden)."""
+
     def __init__(self, config):
         super().__init__(config)
         self.model = _Model(config)

@@ -65,6 +65,10 @@ class _Model(nn.Module):
 
 
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    """IBM Granite 4.0-H: Mamba2 and attention layers, each followed by a top-k MoE and a shared
+    expert, with Granite's embedding / residual / logits multipliers. forward(input_ids (T,),
+    positions (T,), ctx) -> final-normed hidden (T, hidden)."""
+
     def __init__(self, config):
         super().__init__(config)
         self.model = _Model(config)

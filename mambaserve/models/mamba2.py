@@ -45,6 +45,9 @@ class _Backbone(nn.Module):
 
 
 class Mamba2ForCausalLM(HybridForCausalLM):
+    """Mamba2 (Mamba-Codestral): pre-norm Mamba2 mixers only. forward(input_ids (T,), positions
+    (T,), ctx) -> final-normed hidden (T, hidden); positions are unused."""
+
     def __init__(self, config):
         super().__init__(config)
         self.backbone = _Backbone(config)

@@ -48,6 +48,7 @@ _local = threading.local()
 
 
 def current_backend() -> str:
+    """The backend `backend(...)` selected in this thread: "auto", "reference" or "triton"."""
     return getattr(_local, "backend", "auto")
 
 
