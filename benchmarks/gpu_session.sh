@@ -3,7 +3,8 @@
 # Run from the repository root on the device machine; results land in $OUT (copy them into
 # benchmarks/results/ afterwards). Chain the calls (each within the machine's 30 s idle window)
 # to pay for one machine start only.
-#   bash benchmarks/gpu_session.sh tests     # 1: every GPU test, the kernel benchmarks, a step profile (~8 min)
+#   bash benchmarks/gpu_session.sh tests     # 1: every GPU test, bamba-9b throughput by step kind, a step profile (~9 min)
+#   bash benchmarks/gpu_session.sh kernels   # the Mamba kernel benchmarks and the decode MoE sweep (~4 min)
 #   bash benchmarks/gpu_session.sh engine    # 2: the three issue-7 models, graphed, transformers, eager (9.5 min)
 #   bash benchmarks/gpu_session.sh families  # 3: zamba2-2.7b and nemotron-h-8b latency (issue 11, ~5 min)
 # A part cut short by its budget: `run_h200.py --resume` (see its docstring) completes it.
@@ -18,10 +19,16 @@ case "${1:-}" in
     timeout 110 python3 -m pytest -q -p no:cacheprovider -n 8 tests/models/test_parity.py \
       tests/models/test_parity_zamba2_nemotron.py tests/engine/test_engine_zamba2_nemotron.py -k "cuda or gpu" 2>&1 \
       | tee -a "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED"
-    timeout 200 python3 benchmarks/kernels.py --sweep --output-json "$OUT/kernels-h200.json" 2>&1 | tail -30
-    timeout 60 python3 benchmarks/kernels_attention_moe.py --only-decode-moe --out "$OUT/moe-decode-sweep.json" 2>&1 | tail -9
+    # bamba-9b throughput with the engine's step breakdown (where the time of issue 7's target goes)
+    timeout 170 python3 -m mambaserve.entrypoints.cli bench throughput --model benchmarks/configs/bamba-9b.json \
+      --load-format dummy --dtype bfloat16 --dataset sharegpt-synthetic --num-prompts 1000 --max-model-len 4096 \
+      --skip-tokenizer-init --disable-tqdm --output-json "$OUT/throughput-bamba-9b.json" 2>&1 | grep -E "^Throughput|^  steps|Error"
     timeout 90 python3 benchmarks/profile_step.py --model granite-4.0-tiny-preview --modes graphed \
       --output-json "$OUT/profile-granite-in1024.json" 2>&1 | grep -E "^\[|^ "
+    ;;
+  kernels)
+    timeout 200 python3 benchmarks/kernels.py --sweep --output-json "$OUT/kernels-h200.json" 2>&1 | tail -30
+    timeout 60 python3 benchmarks/kernels_attention_moe.py --only-decode-moe --out "$OUT/moe-decode-sweep.json" 2>&1 | tail -9
     ;;
   engine)
     timeout 570 python3 benchmarks/run_h200.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
@@ -39,5 +46,5 @@ case "${1:-}" in
       done
     done
     ;;
-  *) echo "usage: $0 tests|engine|families" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|kernels|engine|families" >&2; exit 2 ;;
 esac

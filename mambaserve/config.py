@@ -28,8 +28,10 @@ class EngineConfig:
     CPU). block_size: tokens per KV block. gpu_memory_utilization: fraction of GPU memory the
     engine may use in all (weights, activations, caches). cpu_cache_bytes: byte budget of the
     caches on the CPU. num_kv_blocks / num_state_slots: force the pool sizes (tests).
-    mamba_ssm_cache_dtype: dtype of the SSM state ("float32" default; "auto" = the model
-    family's own default where it declares one, e.g. float32 for Nemotron-H, else the model dtype).
+    mamba_ssm_cache_dtype: dtype of the SSM state. "auto" (default, as in vLLM): the model
+    family's own default where it declares one (float32 for Nemotron-H), else the model dtype;
+    "float32" keeps the state exact to the kernels' float32 accumulation at twice the bytes
+    (decode of large batches reads and writes every running request's state each step).
     compilation_mode: "eager", "piecewise" or "full_and_piecewise" (GPU default);
     enforce_eager=True forces "eager". cuda_graph_sizes: decode batch sizes to capture.
     """
@@ -49,7 +51,7 @@ class EngineConfig:
     cpu_cache_bytes: int = 1 << 30
     num_kv_blocks: int | None = None
     num_state_slots: int | None = None
-    mamba_ssm_cache_dtype: str = "float32"
+    mamba_ssm_cache_dtype: str = "auto"
     enforce_eager: bool = False
     compilation_mode: str | None = None
     cuda_graph_sizes: list[int] | None = None

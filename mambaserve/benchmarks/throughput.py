@@ -60,13 +60,18 @@ def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True,
         llm.generate([_prompt(r) for r in warm], [params_for(r, 16) for r in warm], use_tqdm=False)
     prompts = [_prompt(r) for r in requests]
     params = [params_for(r) for r in requests]
+    engine = llm.llm_engine
+    engine.step_breakdown.clear()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    return throughput_record(len(outs), elapsed, prompt_tokens, output_tokens,
-                             expected_output_tokens=sum(r.output_len for r in requests))
+    rec = throughput_record(len(outs), elapsed, prompt_tokens, output_tokens,
+                            expected_output_tokens=sum(r.output_len for r in requests))
+    rec["step_breakdown"] = {k: {"steps": int(n), "seconds": sec, "tokens": int(tok)}
+                             for k, (n, sec, tok) in sorted(engine.step_breakdown.items())}
+    return rec
 
 
 def throughput_record(num_requests: int, elapsed: float, prompt_tokens: int, output_tokens: int,
@@ -88,6 +93,9 @@ def print_throughput(rec: dict) -> None:
           f"{rec['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {rec['total_prompt_tokens']}")
     print(f"Total num output tokens:  {rec['total_output_tokens']}")
+    for kind, b in rec.get("step_breakdown", {}).items():
+        print(f"  steps {kind:24s} {b['steps']:6d} steps {b['seconds']:8.2f} s {b['tokens']:9d} tokens "
+              f"({1000 * b['seconds'] / max(b['steps'], 1):.2f} ms a step)")
 
 
 def main(args: argparse.Namespace, llm=None) -> int:

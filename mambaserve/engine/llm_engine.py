@@ -80,6 +80,10 @@ class LLMEngine:
         self._seq_owner: dict[str, tuple[_Request, int]] = {}
         self._counter = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
+        # Where step time goes, by kind of step: "{path}/{decode|prefill|mixed}" -> [steps, seconds,
+        # tokens]; path is how the forward ran (decode_graph, piecewise, eager). A step's seconds
+        # run from scheduling to the sampled tokens on the host (a device sync).
+        self.step_breakdown: dict[str, list[float]] = {}
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.runner.model.config, "eos_token_id", None)
@@ -188,12 +192,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of requests that advanced or finished."""
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         self.stats["preemptions"] += len(sched.preempted)
         if sched.is_empty:
             return []
         result = self.runner.execute(sched.scheduled)
         sampled = self.sampler(result.sample_logits, result.sample_seqs) if result.sample_seqs else None
+        self._record_step(sched.scheduled, time.perf_counter() - t0)
         touched: dict[str, _Request] = {}
         for s in sched.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -220,6 +226,14 @@ class LLMEngine:
         # building an output copies every token list: skip it for requests that only want the end
         return [self._output(req) for req in touched.values()
                 if not req.final_only or all(seq.is_finished for seq in req.seqs)]
+
+    def _record_step(self, scheduled, seconds: float) -> None:
+        decodes = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+        kind = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
+        entry = self.step_breakdown.setdefault(f"{getattr(self.runner, 'last_path', 'eager')}/{kind}", [0, 0.0, 0])
+        entry[0] += 1
+        entry[1] += seconds
+        entry[2] += sum(s.num_new_tokens for s in scheduled)
 
     def _store_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         n = seq.num_prompt_tokens

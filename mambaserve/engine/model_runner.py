@@ -69,6 +69,7 @@ class ModelRunner:
                                       device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
         self.decode_graphs = self.piecewise_graphs = None
+        self.last_path = "eager"  # how the last step ran: decode_graph, piecewise or eager
         if self.compilation_mode in ("piecewise", "full_and_piecewise"):
             self._capture_piecewise_graphs()
         if self.compilation_mode == "full_and_piecewise":
@@ -236,7 +237,9 @@ class ModelRunner:
         """Run one forward over the scheduled batch and return the logits that are needed."""
         if self._one_token_each(scheduled):
             graphs = self.decode_graphs
+            self.last_path = "eager"
             if graphs is not None and len(scheduled) <= graphs.max_size:
+                self.last_path = "decode_graph"
                 seqs = [s.seq for s in scheduled]
                 all_logits = graphs.run(
                     [seq.get_token_ids(seq.num_computed_tokens, seq.num_computed_tokens + 1)[0] for seq in seqs],
@@ -249,6 +252,7 @@ class ModelRunner:
             num_tokens = sum(s.num_new_tokens for s in scheduled)
             graphs = self.piecewise_graphs
             padded = graphs.padded_size(num_tokens) if graphs is not None else None
+            self.last_path = "eager" if padded is None else "piecewise"
         ctx, ids, positions = self.build_context(scheduled, pad_to=padded)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)

@@ -27,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--cpu-cache-bytes", type=int, default=1 << 30, help="cache budget on the CPU, in bytes")
-    g.add_argument("--mamba-ssm-cache-dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
     g.add_argument("--compilation-mode", default=None, choices=COMPILATION_MODES)
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None)

@@ -86,6 +86,12 @@ def check_throughput(rec, num_requests, prompt_tokens, output_tokens):
     assert rec["requests_per_second"] == pytest.approx(num_requests / t)
     assert rec["tokens_per_second"] == pytest.approx((prompt_tokens + output_tokens) / t)
     assert rec["output_tokens_per_second"] == pytest.approx(output_tokens / t)
+    if rec["environment"]["engine"] == "mambaserve":  # ours: the steps' breakdown covers every token fed
+        steps = rec["step_breakdown"]
+        assert steps and set(k.split("/")[1] for k in steps) <= {"decode", "prefill", "mixed"}
+        # each prompt token is fed once, each output token but the last is fed back
+        assert sum(b["tokens"] for b in steps.values()) == prompt_tokens + output_tokens - num_requests
+        assert 0 < sum(b["seconds"] for b in steps.values()) <= t
 
 
 # ------------------------------------------------------------------ datasets
