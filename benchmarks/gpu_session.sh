@@ -4,7 +4,7 @@
 # benchmarks/results/ afterwards). Chain the calls (each within the machine's 30 s idle window)
 # to pay for one machine start only.
 #   bash benchmarks/gpu_session.sh tests     # 1: every GPU test, bamba-9b throughput by step kind, a step profile (~9 min)
-#   bash benchmarks/gpu_session.sh kernels   # the Mamba kernel benchmarks and the decode MoE sweep (~4 min)
+#   bash benchmarks/gpu_session.sh kernels   # bamba-9b step profiles, the Mamba kernel benchmarks, the decode MoE sweep (~7 min)
 #   bash benchmarks/gpu_session.sh engine    # 2: the three issue-7 models, graphed, transformers, eager (9.5 min)
 #   bash benchmarks/gpu_session.sh families  # 3: zamba2-2.7b and nemotron-h-8b latency (issue 11, ~5 min)
 # A part cut short by its budget: `run_h200.py --resume` (see its docstring) completes it.
@@ -27,6 +27,10 @@ case "${1:-}" in
       --output-json "$OUT/profile-granite-in1024.json" 2>&1 | grep -E "^\[|^ "
     ;;
   kernels)
+    # bamba-9b: a prefill, decode at batch 32, and steps of 64 decodes + one 512-token prompt (host side too)
+    timeout 200 python3 benchmarks/profile_step.py --model bamba-9b --modes graphed --input-len 512 --batch-size 32 \
+      --decode-steps 8 --mixed-decodes 64 --share 0.8 --output-json "$OUT/profile-bamba-mixed.json" 2>&1 \
+      | grep -E "^\[|^ " | cut -c1-150 | head -120
     timeout 200 python3 benchmarks/kernels.py --sweep --output-json "$OUT/kernels-h200.json" 2>&1 | tail -30
     timeout 60 python3 benchmarks/kernels_attention_moe.py --only-decode-moe --out "$OUT/moe-decode-sweep.json" 2>&1 | tail -9
     ;;

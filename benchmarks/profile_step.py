@@ -8,6 +8,12 @@ the modes given (`--modes eager,graphed`) and, with `torch.profiler` (CUDA activ
 - prefill: one batch of `--batch-size` prompts of `--input-len` tokens generating 1 token;
 - decode: the same batch generating `--decode-steps` + 1 tokens, minus the prefill run: what is
   left is `--decode-steps` decode steps.
+- mixed (with `--mixed-decodes N`): N requests decoding (prompts of 64 tokens) while new
+  requests of `--input-len` tokens arrive one per step: `--decode-steps` steps that each carry
+  the N decodes and one prompt (the steps of a throughput run once its batch is full). For these
+  it also reports the host side: wall time with and without the profiler, the CUDA API calls
+  that wait for the device (synchronizations, blocking copies), and the host functions with the
+  most self time.
 It prints, per mode and phase, the number of kernels per step, their summed device time per
 step, the wall time per step, and the 25 kernels with the most device time. In graphed mode the
 kernels inside CUDA graph replays are listed where the profiler sees them (CUPTI does on CUDA 12).
@@ -76,6 +82,76 @@ def _summary(kern: dict, steps: int, wall: float) -> dict:
     }
 
 
+def _host_summary(prof, steps: int) -> dict:
+    """The host side of a profile: waits on the device and the busiest host functions."""
+    waits, api, ops = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
+    for ev in prof.key_averages():
+        if ev.device_type.name != "CPU":
+            continue
+        name = ev.key
+        target = api if name.startswith("cuda") else ops
+        if "Synchronize" in name or name in ("cudaMemcpy", "cudaStreamWaitEvent", "cudaEventSynchronize"):
+            target = waits
+        target[name][0] += ev.count
+        target[name][1] += ev.self_cpu_time_total
+    rows = lambda d, n: [{"name": k[:120], "count_per_step": c / steps, "self_us_per_step": t / steps}
+                         for k, (c, t) in sorted(d.items(), key=lambda kv: -kv[1][1])[:n]]
+    return {"waits": rows(waits, 8), "cuda_api": rows(api, 8), "host_ops": rows(ops, 25)}
+
+
+def _mixed_phase(llm, args, rng) -> dict:
+    """N decoding requests plus one new prompt a step; profiles `decode_steps` such steps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mambaserve import SamplingParams
+    from mambaserve.benchmarks.datasets import random_token_ids
+
+    eng, vocab = llm.llm_engine, llm.llm_engine.runner.vocab_size
+    n, steps = args.mixed_decodes, args.decode_steps
+    long = SamplingParams(temperature=0.0, max_tokens=4 * steps + 8, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i in range(n):
+        eng.add_request(f"d{i}", {"prompt_token_ids": random_token_ids(rng, 64, vocab)}, long)
+    sched = eng.scheduler
+    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
+        eng.step()
+    eng.step()  # every request decoding
+
+    def mixed_steps(tag: str):
+        t0 = time.perf_counter()
+        for j in range(steps):
+            eng.add_request(f"{tag}{j}", {"prompt_token_ids": random_token_ids(rng, args.input_len, vocab)}, short)
+            eng.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    mixed_steps("w")  # warm-up: the piecewise sizes of these steps compile and capture
+    wall_plain = mixed_steps("p")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall_prof = mixed_steps("m")
+    import cProfile
+    import pstats
+
+    cprof = cProfile.Profile()
+    cprof.enable()
+    mixed_steps("c")
+    cprof.disable()
+    st = pstats.Stats(cprof)
+    py = sorted(((v[3], v[2], v[1], k) for k, v in st.stats.items()), reverse=True)[:30]  # by cumulative time
+    python_cum = [{"function": f"{k[0].split('/')[-1]}:{k[1]}({k[2]})", "cum_us_per_step": c * 1e6 / steps,
+                   "self_us_per_step": t * 1e6 / steps, "calls_per_step": n / steps} for c, t, n, k in py]
+    kinds = dict(eng.step_breakdown)
+    for rid in list(eng.requests):
+        eng.abort_request(rid)
+    res = _summary(_kernels(prof), steps, wall_prof)
+    res.update({"decodes": n, "prompt_len": args.input_len, "wall_ms_per_step_unprofiled": wall_plain * 1e3 / steps,
+                "step_kinds": {k: v[0] for k, v in kinds.items()}, **_host_summary(prof, steps),
+                "python_cumulative": python_cum})
+    return res
+
+
 def profile_mode(model: str, mode: str, args) -> dict:
     import numpy as np
     import torch
@@ -84,8 +160,8 @@ def profile_mode(model: str, mode: str, args) -> dict:
     from mambaserve.benchmarks.datasets import random_token_ids
 
     kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              max_model_len=args.input_len + args.decode_steps + 16, gpu_memory_utilization=args.share,
-              max_num_seqs=max(args.batch_size, 8))
+              max_model_len=max(args.input_len, 64 + 3 * args.decode_steps) + args.decode_steps + 16, gpu_memory_utilization=args.share,
+              max_num_seqs=max(args.batch_size, args.mixed_decodes + args.decode_steps + 2, 8))
     if mode == "eager":
         kw["enforce_eager"] = True
     t0 = time.perf_counter()
@@ -100,12 +176,23 @@ def profile_mode(model: str, mode: str, args) -> dict:
     full, full_wall = _profile_run(llm, prompts, many)
     res = {"build_s": build_s, "prefill": _summary(pre, 1, pre_wall),
            "decode": _summary(_diff(full, pre), args.decode_steps, full_wall - pre_wall)}
-    for phase in ("prefill", "decode"):
+    if args.mixed_decodes:
+        res["mixed"] = _mixed_phase(llm, args, rng)
+    for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
         s = res[phase]
+        extra = f", unprofiled wall {s['wall_ms_per_step_unprofiled']:.3f} ms/step" if phase == "mixed" else ""
         print(f"[{model} {mode} {phase}] wall {s['wall_ms_per_step']:.3f} ms/step, {s['kernels_per_step']:.1f} "
-              f"kernels/step, kernel time {s['kernel_ms_per_step']:.3f} ms/step")
+              f"kernels/step, kernel time {s['kernel_ms_per_step']:.3f} ms/step{extra}")
         for row in s["top"][:25 if phase == "decode" else 15]:
             print(f"    {row['us_per_step']:9.1f} us  x{row['count_per_step']:6.1f}  {row['name'][:110]}")
+        if phase == "mixed":
+            print(f"    step kinds: {s['step_kinds']}")
+            for key in ("waits", "cuda_api", "host_ops"):
+                for row in s[key][:12]:
+                    print(f"    host {key:8s} {row['self_us_per_step']:9.1f} us  x{row['count_per_step']:7.1f}  {row['name'][:100]}")
+            for row in s["python_cumulative"]:
+                print(f"    python cum {row['cum_us_per_step']:9.1f} us self {row['self_us_per_step']:8.1f} us "
+                      f"x{row['calls_per_step']:7.1f}  {row['function'][:90]}")
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -119,6 +206,8 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--mixed-decodes", type=int, default=0,
+                    help="also profile steps of this many decodes plus one new prompt of --input-len tokens")
     ap.add_argument("--share", type=float, default=0.4, help="gpu_memory_utilization of each engine")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
