@@ -69,8 +69,8 @@ def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True,
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     rec = throughput_record(len(outs), elapsed, prompt_tokens, output_tokens,
                             expected_output_tokens=sum(r.output_len for r in requests))
-    rec["step_breakdown"] = {k: {"steps": int(n), "seconds": sec, "tokens": int(tok)}
-                             for k, (n, sec, tok) in sorted(engine.step_breakdown.items())}
+    rec["step_breakdown"] = {k: {"steps": int(n), "seconds": sec, "tokens": int(tok), "max_step_seconds": longest}
+                             for k, (n, sec, tok, longest) in sorted(engine.step_breakdown.items())}
     return rec
 
 
@@ -95,7 +95,7 @@ def print_throughput(rec: dict) -> None:
     print(f"Total num output tokens:  {rec['total_output_tokens']}")
     for kind, b in rec.get("step_breakdown", {}).items():
         print(f"  steps {kind:24s} {b['steps']:6d} steps {b['seconds']:8.2f} s {b['tokens']:9d} tokens "
-              f"({1000 * b['seconds'] / max(b['steps'], 1):.2f} ms a step)")
+              f"({1000 * b['seconds'] / max(b['steps'], 1):.2f} ms a step, longest {1000 * b['max_step_seconds']:.1f} ms)")
 
 
 def main(args: argparse.Namespace, llm=None) -> int:

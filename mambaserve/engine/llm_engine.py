@@ -81,8 +81,8 @@ class LLMEngine:
         self._counter = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "preemptions": 0}
         # Where step time goes, by kind of step: "{path}/{decode|prefill|mixed}" -> [steps, seconds,
-        # tokens]; path is how the forward ran (decode_graph, piecewise, eager). A step's seconds
-        # run from scheduling to the sampled tokens on the host (a device sync).
+        # tokens, longest step's seconds]; path is how the forward ran (decode_graph, piecewise,
+        # eager). A step's seconds run from scheduling to the sampled tokens on the host (a sync).
         self.step_breakdown: dict[str, list[float]] = {}
 
     def _eos_ids(self) -> list[int]:
@@ -230,10 +230,11 @@ class LLMEngine:
     def _record_step(self, scheduled, seconds: float) -> None:
         decodes = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
         kind = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
-        entry = self.step_breakdown.setdefault(f"{getattr(self.runner, 'last_path', 'eager')}/{kind}", [0, 0.0, 0])
+        entry = self.step_breakdown.setdefault(f"{self.runner.last_path}/{kind}", [0, 0.0, 0, 0.0])
         entry[0] += 1
         entry[1] += seconds
         entry[2] += sum(s.num_new_tokens for s in scheduled)
+        entry[3] = max(entry[3], seconds)
 
     def _store_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         n = seq.num_prompt_tokens

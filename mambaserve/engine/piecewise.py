@@ -26,11 +26,17 @@ logger = logging.getLogger("mambaserve")
 
 
 def default_piecewise_sizes(max_tokens: int) -> list[int]:
-    """Token counts to capture: powers of two up to 512, then steps of 1.5x / 1.33x (padding
-    wastes at most half a step) up to 8,192, and max_tokens itself when it is at most that.
+    """Token counts to capture: 8 and 16, then four sizes per doubling (16, 24, 32, 40 ... 8,192:
+    a step's padding is under a fifth of its size) and max_tokens itself when it is at most 8,192.
+    Fine steps matter: a throughput run's mixed steps (the running decodes plus one new prompt)
+    land anywhere between 64 and 1,024 tokens, and padded rows cost full matrix products.
     Large steps are captured too: an eager 1,024-token step of a 40-layer hybrid spends several
     times its GPU time launching kernels from Python."""
-    sizes = [8, 16, 32, 64, 128, 256, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
+    sizes, base = [8], 16
+    while base < 8192:
+        sizes += [base, base * 5 // 4, base * 3 // 2, base * 7 // 4]
+        base *= 2
+    sizes.append(8192)
     chosen = [s for s in sizes if s <= max_tokens]
     if max_tokens <= sizes[-1] and max_tokens not in chosen:
         chosen.append(max_tokens)

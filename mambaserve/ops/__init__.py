@@ -76,20 +76,22 @@ def _use_triton(t: torch.Tensor) -> bool:
     return name == "triton"
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg) -> None:
+    """Raise ValueError(msg) unless cond; msg may be a callable (an f-string built only on failure:
+    these checks run on every op call of every layer, and formatting shapes is not free)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg() if callable(msg) else msg)
 
 
 def _check_batch(query_start_loc, state_indices, has_initial_state=None):
     _check(query_start_loc.dim() == 1 and query_start_loc.numel() >= 1,
-           f"query_start_loc must be (batch + 1,), got {tuple(query_start_loc.shape)}")
+           lambda: f"query_start_loc must be (batch + 1,), got {tuple(query_start_loc.shape)}")
     batch = query_start_loc.numel() - 1
     _check(state_indices.shape == (batch,),
-           f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+           lambda: f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
     if has_initial_state is not None:
         _check(has_initial_state.shape == (batch,),
-               f"has_initial_state must be ({batch},), got {tuple(has_initial_state.shape)}")
+               lambda: f"has_initial_state must be ({batch},), got {tuple(has_initial_state.shape)}")
 
 
 def causal_conv1d(
@@ -114,14 +116,14 @@ def causal_conv1d(
     no initial state); that slot then holds the last width - 1 inputs of the concatenation.
     Math: `reference.causal_conv1d`. Raises ValueError on inconsistent shapes.
     """
-    _check(x.dim() == 2 and x.stride(1) == 1, f"x must be (num_tokens, dim) with stride 1 on dim, got {tuple(x.shape)} strides {x.stride()}")
+    _check(x.dim() == 2 and x.stride(1) == 1, lambda: f"x must be (num_tokens, dim) with stride 1 on dim, got {tuple(x.shape)} strides {x.stride()}")
     dim = x.shape[1]
-    _check(weight.dim() == 2 and weight.shape[0] == dim, f"weight must be ({dim}, width), got {tuple(weight.shape)}")
+    _check(weight.dim() == 2 and weight.shape[0] == dim, lambda: f"weight must be ({dim}, width), got {tuple(weight.shape)}")
     width = weight.shape[1]
-    _check(bias is None or bias.shape == (dim,), f"bias must be ({dim},)")
+    _check(bias is None or bias.shape == (dim,), lambda: f"bias must be ({dim},)")
     _check(conv_states.dim() == 3 and conv_states.shape[1:] == (width - 1, dim),
-           f"conv_states must be (num_slots, {width - 1}, {dim}), got {tuple(conv_states.shape)}")
-    _check(activation in (None, "silu", "swish"), f"unsupported activation {activation!r}")
+           lambda: f"conv_states must be (num_slots, {width - 1}, {dim}), got {tuple(conv_states.shape)}")
+    _check(activation in (None, "silu", "swish"), lambda: f"unsupported activation {activation!r}")
     _check_batch(query_start_loc, state_indices, has_initial_state)
     if _use_triton(x):
         from mambaserve.ops.conv1d import causal_conv1d_triton
@@ -146,13 +148,13 @@ def causal_conv1d_update(
     weight: (dim, width); bias: (dim,) or None; state_indices: (batch,), -1 = padding.
     Returns (batch, dim) in x.dtype. Raises ValueError on inconsistent shapes.
     """
-    _check(x.dim() == 2 and x.stride(1) == 1, f"x must be (batch, dim) with stride 1 on dim, got {tuple(x.shape)}")
+    _check(x.dim() == 2 and x.stride(1) == 1, lambda: f"x must be (batch, dim) with stride 1 on dim, got {tuple(x.shape)}")
     dim = x.shape[1]
-    _check(weight.dim() == 2 and weight.shape[0] == dim, f"weight must be ({dim}, width)")
+    _check(weight.dim() == 2 and weight.shape[0] == dim, lambda: f"weight must be ({dim}, width)")
     _check(conv_states.dim() == 3 and conv_states.shape[1:] == (weight.shape[1] - 1, dim),
-           f"conv_states must be (num_slots, {weight.shape[1] - 1}, {dim}), got {tuple(conv_states.shape)}")
+           lambda: f"conv_states must be (num_slots, {weight.shape[1] - 1}, {dim}), got {tuple(conv_states.shape)}")
     _check(state_indices.shape == (x.shape[0],), "state_indices must be (batch,)")
-    _check(activation in (None, "silu", "swish"), f"unsupported activation {activation!r}")
+    _check(activation in (None, "silu", "swish"), lambda: f"unsupported activation {activation!r}")
     if _use_triton(x):
         from mambaserve.ops.conv1d import causal_conv1d_update_triton
 
@@ -161,19 +163,19 @@ def causal_conv1d_update(
 
 
 def _check_ssm(x, dt, A, B, C, D, z, dt_bias, ssm_states):
-    _check(x.dim() == 3, f"x must be (tokens, nheads, headdim), got {tuple(x.shape)}")
+    _check(x.dim() == 3, lambda: f"x must be (tokens, nheads, headdim), got {tuple(x.shape)}")
     T, H, P = x.shape
-    _check(dt.shape == (T, H), f"dt must be ({T}, {H}), got {tuple(dt.shape)}")
-    _check(A.shape == (H,), f"A must be ({H},), got {tuple(A.shape)}")
+    _check(dt.shape == (T, H), lambda: f"dt must be ({T}, {H}), got {tuple(dt.shape)}")
+    _check(A.shape == (H,), lambda: f"A must be ({H},), got {tuple(A.shape)}")
     _check(B.dim() == 3 and B.shape[0] == T and C.shape == B.shape,
-           f"B and C must be ({T}, ngroups, dstate), got {tuple(B.shape)} and {tuple(C.shape)}")
+           lambda: f"B and C must be ({T}, ngroups, dstate), got {tuple(B.shape)} and {tuple(C.shape)}")
     G, N = B.shape[1], B.shape[2]
-    _check(H % G == 0, f"nheads ({H}) must be a multiple of ngroups ({G})")
-    _check(D is None or D.shape == (H,), f"D must be ({H},)")
-    _check(dt_bias is None or dt_bias.shape == (H,), f"dt_bias must be ({H},)")
+    _check(H % G == 0, lambda: f"nheads ({H}) must be a multiple of ngroups ({G})")
+    _check(D is None or D.shape == (H,), lambda: f"D must be ({H},)")
+    _check(dt_bias is None or dt_bias.shape == (H,), lambda: f"dt_bias must be ({H},)")
     _check(z is None or z.shape == x.shape, "z must have the shape of x")
     _check(ssm_states.dim() == 4 and ssm_states.shape[1:] == (H, P, N),
-           f"ssm_states must be (num_slots, {H}, {P}, {N}), got {tuple(ssm_states.shape)}")
+           lambda: f"ssm_states must be (num_slots, {H}, {P}, {N}), got {tuple(ssm_states.shape)}")
 
 
 def mamba_chunk_scan(
@@ -208,7 +210,7 @@ def mamba_chunk_scan(
     chunk_size only matters to the kernels. Raises ValueError on inconsistent shapes.
     """
     _check_ssm(x, dt, A, B, C, D, z, dt_bias, ssm_states)
-    _check(isinstance(chunk_size, int) and chunk_size > 0, f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check(isinstance(chunk_size, int) and chunk_size > 0, lambda: f"chunk_size must be a positive int, got {chunk_size!r}")
     _check_batch(query_start_loc, state_indices, has_initial_state)
     if _use_triton(x):
         from mambaserve.ops.ssd import mamba_chunk_scan_triton
@@ -268,8 +270,8 @@ def rms_norm_gated(
     computes weight * rmsnorm_g(x * silu(z)). Returns (num_tokens, hidden) in x.dtype.
     Raises ValueError when hidden is not a multiple of group_size or shapes disagree.
     """
-    _check(x.dim() == 2, f"x must be (num_tokens, hidden), got {tuple(x.shape)}")
-    _check(x.shape[1] % group_size == 0, f"hidden ({x.shape[1]}) must be a multiple of group_size ({group_size})")
+    _check(x.dim() == 2, lambda: f"x must be (num_tokens, hidden), got {tuple(x.shape)}")
+    _check(x.shape[1] % group_size == 0, lambda: f"hidden ({x.shape[1]}) must be a multiple of group_size ({group_size})")
     _check(weight.shape == (x.shape[1],), "weight must be (hidden,)")
     _check(z is None or z.shape == x.shape, "z must have the shape of x")
     if _use_triton(x):
@@ -297,7 +299,7 @@ def fused_add_rms_norm(
     shapes disagree.
     """
     rows = x.shape[-2:] if x.dim() in (2, 3) else None
-    _check(rows is not None and residual.shape == rows, f"x must be (num_tokens, hidden) or (num_parts, num_tokens, "
+    _check(rows is not None and residual.shape == rows, lambda: f"x must be (num_tokens, hidden) or (num_parts, num_tokens, "
            f"hidden) and residual (num_tokens, hidden), got {tuple(x.shape)}, {tuple(residual.shape)}")
     _check(weight.shape == (x.shape[-1],), "weight must be (hidden,)")
     if _use_triton(residual):
@@ -323,7 +325,7 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     product (num_splits is 1 on the reference path). Raises ValueError on bad shapes.
     """
     _check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
-           f"x must be (num_tokens, K) and weight (N, {x.shape[-1]}), got {tuple(x.shape)}, {tuple(weight.shape)}")
+           lambda: f"x must be (num_tokens, K) and weight (N, {x.shape[-1]}), got {tuple(x.shape)}, {tuple(weight.shape)}")
     if _use_triton(x) and weight.dtype == x.dtype:
         from mambaserve.ops.gemv import MAX_TOKENS, linear_partials_triton
 
@@ -346,7 +348,7 @@ def reshape_and_cache(
     """
     _check(k.dim() == 3 and v.shape == k.shape, "k and v must be (num_tokens, num_kv_heads, head_dim)")
     _check(k_cache.dim() == 4 and k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape,
-           f"caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]})")
+           lambda: f"caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]})")
     _check(slot_mapping.shape == (k.shape[0],), "slot_mapping must be (num_tokens,)")
     if _use_triton(k):
         from mambaserve.ops.attention import reshape_and_cache_triton
@@ -374,13 +376,13 @@ def paged_attention(
     attention_multiplier). Returns (num_tokens, num_heads, head_dim) in q.dtype.
     Math: `reference.paged_attention`. Raises ValueError on inconsistent shapes.
     """
-    _check(q.dim() == 3, f"q must be (num_tokens, num_heads, head_dim), got {tuple(q.shape)}")
+    _check(q.dim() == 3, lambda: f"q must be (num_tokens, num_heads, head_dim), got {tuple(q.shape)}")
     _check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == q.shape[2],
            "caches must be (num_blocks, block_size, num_kv_heads, head_dim)")
     _check(q.shape[1] % k_cache.shape[2] == 0, "num_heads must be a multiple of num_kv_heads")
     batch = query_start_loc.numel() - 1
     _check(seq_lens.shape == (batch,) and block_table.dim() == 2 and block_table.shape[0] == batch,
-           f"seq_lens must be ({batch},) and block_table ({batch}, max_blocks)")
+           lambda: f"seq_lens must be ({batch},) and block_table ({batch}, max_blocks)")
     if _use_triton(q):
         from mambaserve.ops.attention import paged_attention_triton
 
@@ -410,8 +412,8 @@ def fused_moe(
     """
     _check(hidden_states.dim() == 2, "hidden_states must be (num_tokens, hidden)")
     E, two_i, Hd = w1.shape
-    _check(Hd == hidden_states.shape[1] and two_i % 2 == 0, f"w1 must be (E, 2 * inter, {hidden_states.shape[1]})")
-    _check(w2.shape == (E, Hd, two_i // 2), f"w2 must be ({E}, {Hd}, {two_i // 2})")
+    _check(Hd == hidden_states.shape[1] and two_i % 2 == 0, lambda: f"w1 must be (E, 2 * inter, {hidden_states.shape[1]})")
+    _check(w2.shape == (E, Hd, two_i // 2), lambda: f"w2 must be ({E}, {Hd}, {two_i // 2})")
     _check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == hidden_states.shape[0],
            "topk_ids and topk_weights must be (num_tokens, top_k)")
     _check(add is None or add.shape == hidden_states.shape, "add must have hidden_states' shape")
@@ -433,9 +435,9 @@ def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None
     extra experts of the fused MoE). Math: `reference.topk_softmax` (Shazeer et al. 2017,
     top-k gating). Raises ValueError when top_k is not in [1, num_experts] or num_shared < 0.
     """
-    _check(logits.dim() == 2, f"logits must be (num_tokens, num_experts), got {tuple(logits.shape)}")
-    _check(1 <= top_k <= logits.shape[1], f"top_k must be in [1, {logits.shape[1]}], got {top_k}")
-    _check(num_shared >= 0, f"num_shared must be >= 0, got {num_shared}")
+    _check(logits.dim() == 2, lambda: f"logits must be (num_tokens, num_experts), got {tuple(logits.shape)}")
+    _check(1 <= top_k <= logits.shape[1], lambda: f"top_k must be in [1, {logits.shape[1]}], got {top_k}")
+    _check(num_shared >= 0, lambda: f"num_shared must be >= 0, got {num_shared}")
     out_dtype = out_dtype or logits.dtype
     if _use_triton(logits) and logits.shape[1] <= 1024:
         from mambaserve.ops.moe import topk_softmax_triton
@@ -454,9 +456,9 @@ def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dt
     few tokens run the product and the top-k in one kernel. Raises ValueError on bad shapes.
     """
     _check(x.dim() == 2 and router_weight.dim() == 2 and router_weight.shape[1] == x.shape[1],
-           f"x must be (num_tokens, hidden) and router_weight (num_experts, {x.shape[-1]})")
-    _check(1 <= top_k <= router_weight.shape[0], f"top_k must be in [1, {router_weight.shape[0]}], got {top_k}")
-    _check(num_shared >= 0, f"num_shared must be >= 0, got {num_shared}")
+           lambda: f"x must be (num_tokens, hidden) and router_weight (num_experts, {x.shape[-1]})")
+    _check(1 <= top_k <= router_weight.shape[0], lambda: f"top_k must be in [1, {router_weight.shape[0]}], got {top_k}")
+    _check(num_shared >= 0, lambda: f"num_shared must be >= 0, got {num_shared}")
     out_dtype = out_dtype or x.dtype
     if _use_triton(x) and router_weight.dtype == x.dtype:
         from mambaserve.ops.moe import router_topk_triton
@@ -470,7 +472,7 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for a fused [gate | up] projection. h: (num_rows, 2 * inter) ->
     (num_rows, inter) in h.dtype. Math: `reference.silu_and_mul`. Raises ValueError on an odd
     feature count."""
-    _check(h.dim() == 2 and h.shape[1] % 2 == 0, f"h must be (num_rows, 2 * inter), got {tuple(h.shape)}")
+    _check(h.dim() == 2 and h.shape[1] % 2 == 0, lambda: f"h must be (num_rows, 2 * inter), got {tuple(h.shape)}")
     if _use_triton(h):
         from mambaserve.ops.activation import silu_and_mul_triton
 

@@ -11,7 +11,7 @@ flash-decoding for the split over the context):
   share the kv head are stacked, so each K/V tile is loaded once for all of them, and a decode
   token (one token, G rows) still fills a 16-row matrix product.
 - When items x kv heads would not fill the GPU (small decode batches), every item's context is
-  cut into NUM_SPLITS ranges, each program writes an unnormalised partial result with its
+  cut into num_splits ranges, each program writes an unnormalised partial result with its
   running max and sum, and a second small kernel combines them.
 - The list of work items is built on the host from query_start_loc and seq_lens (one device
   sync), once per step: it is cached in the caller's `metadata` dict and reused by every
@@ -172,17 +172,19 @@ def _attend_kv_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# num_splits is a runtime value (one compiled kernel for any split count): as a constexpr each
+# count a step's batch produced would compile a kernel of its own in the middle of serving.
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, work_ptr,
-    qk_scale, head_dim,
+    qk_scale, head_dim, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_bt,
     stride_pa_s, stride_pa_t, stride_pa_h, stride_pm_s, stride_pm_t,
     G: tl.constexpr, TOKENS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -211,11 +213,11 @@ def _paged_attention_kernel(
     n_tok = tl.minimum(q_len - t0, TOKENS)
     kv_end = prefix + t0 + n_tok  # keys seen by the block's last query
     kv_all = prefix + t0 + 1  # keys seen by every query of the block: no causal mask needed
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         lo = 0
         hi = kv_end
     else:
-        per_split = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
         lo = split * per_split
         hi = tl.minimum(lo + per_split, kv_end)
     mid = tl.maximum(tl.minimum((kv_all // BLOCK_N) * BLOCK_N, hi), lo)
@@ -240,7 +242,7 @@ def _paged_attention_kernel(
 
     tok64 = (q_start + tok).to(tl.int64)
     mask = row_valid[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / l_i[:, None]
         o_rows = tok64 * stride_ot + head * stride_oh
         tl.store(out_ptr + o_rows[:, None] + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -253,18 +255,18 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + pm_rows, l_i, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, head_dim,
+    part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, head_dim, num_splits,
     stride_pa_s, stride_pa_t, stride_pa_h, stride_pm_s, stride_pm_t, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s for one (token, head)."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_splits
     pm = offs_s * stride_pm_s + t * stride_pm_t + h
     m = tl.load(part_m_ptr + pm, mask=s_mask, other=float("-inf"))
     l = tl.load(part_l_ptr + pm, mask=s_mask, other=0.0)
@@ -432,7 +434,7 @@ def paged_attention_triton(
     _paged_attention_kernel[(num_items, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_table, seq_lens, query_start_loc, plan.work,
-        float(scale) * math.log2(math.e), head_dim,
+        float(scale) * math.log2(math.e), head_dim, splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -440,13 +442,13 @@ def paged_attention_triton(
         *pa_strides, *pm_strides,
         G=G, TOKENS=plan.tokens, BLOCK_R=plan.block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         EVEN_D=block_d == head_dim,
-        PAGE=block_size, NUM_SPLITS=splits, DOT_PREC=dot_prec, DOT_F32=not on_gpu,
+        PAGE=block_size, SPLIT=splits > 1, DOT_PREC=dot_prec, DOT_F32=not on_gpu,
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
         _combine_splits_kernel[(plan.num_tokens, num_heads)](
-            part_acc, part_m, part_l, out, head_dim,
+            part_acc, part_m, part_l, out, head_dim, splits,
             *pa_strides, *pm_strides, out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_S=_next_pow2(splits), BLOCK_D=block_d,
+            BLOCK_S=64 if splits <= 64 else 256, BLOCK_D=block_d,
         )
     return out

@@ -19,7 +19,7 @@ import triton.language as tl
 MAX_TOKENS = 16  # more rows than this: a tensor-core matrix product is the better tool
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a per-step count: one kernel for all
 def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, N, K, stride_x, stride_w, stride_os, stride_ot,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[s, t, n] = w[n, s-block] . x[t, s-block] for every row t, one weight tile per program."""

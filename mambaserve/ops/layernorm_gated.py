@@ -18,7 +18,7 @@ MAX_BLOCK_N = 8192  # widest group handled in a single pass
 TILE_ELEMENTS = 4096  # rows per program = TILE_ELEMENTS // block_n (at least 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # a per-step count: one kernel for all
 def _rms_norm_gated_kernel(
     x_ptr, w_ptr, z_ptr, out_ptr, res_ptr,
     num_rows, group_size, eps, alpha, num_parts,

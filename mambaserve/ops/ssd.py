@@ -49,7 +49,7 @@ CB_FP32 = True
 SCAN_CONFIG = {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2}
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a per-step count: one kernel for all
 def _chunk_state_kernel(
     x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr,
     dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr,
@@ -224,7 +224,7 @@ def _state_passing_kernel(
         tl.store(pool_ptrs, state.to(pool_ptr.dtype.element_ty), mask=e_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # a per-step count: one kernel for all
 def _chunk_scan_kernel(
     x_ptr, z_ptr, C_ptr, D_ptr, cb_ptr, dt_ptr, cs_ptr, state_in_ptr, y_ptr,
     chunk_start_ptr, chunk_end_ptr,
