@@ -23,8 +23,8 @@ class EngineConfig:
     tokenizer: directory of the tokenizer (default: the model's). dtype: "auto", "float32",
     "bfloat16", "float16". device: "auto" (CUDA when present), "cuda", "cpu".
     max_model_len: longest prompt + output in tokens (default: the model's limit, clamped to
-    what the cache can hold). max_num_seqs: most running requests (clamped to the state slots
-    that fit). max_num_batched_tokens: token budget of one step (default 8192 on GPU, 2048 on
+    what the cache can hold). max_num_seqs: most running requests (default: 1,024 on GPUs of 70 GiB
+    or more, else 256; clamped to the state slots that fit). max_num_batched_tokens: token budget of one step (default 8192 on GPU, 2048 on
     CPU). block_size: tokens per KV block. gpu_memory_utilization: fraction of GPU memory the
     engine may use in all (weights, activations, caches). cpu_cache_bytes: byte budget of the
     caches on the CPU. num_kv_blocks / num_state_slots: force the pool sizes (tests).
@@ -43,7 +43,7 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     block_size: int = 16
@@ -64,7 +64,7 @@ class EngineConfig:
             raise ValueError(f"model path {self.model!r} does not exist")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
@@ -93,6 +93,18 @@ class EngineConfig:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but no CUDA device is available")
         return self.device
+
+    def resolved_max_num_seqs(self) -> int:
+        """max_num_seqs, or its default: 1,024 on a GPU of 70 GiB or more (H100, H200: as vLLM's
+        offline engine on such GPUs), else 256. The engine clamps it to the state slots that fit."""
+        if self.max_num_seqs is not None:
+            return self.max_num_seqs
+        if self.resolved_device() == "cuda":
+            import torch
+
+            if torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory >= 70 * 2**30:
+                return 1024
+        return 256
 
     def resolved_compilation_mode(self) -> str:
         if self.enforce_eager or self.resolved_device() != "cuda":

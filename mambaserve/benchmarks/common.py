@@ -65,7 +65,7 @@ def engine_record(llm) -> dict:
         "engine_resolved": {name: getattr(runner, attr, None) for name, attr in (
             ("max_model_len", "max_model_len"), ("max_num_seqs", "max_num_seqs"),
             ("max_num_batched_tokens", "max_num_batched_tokens"), ("num_state_slots", "num_slots"),
-            ("num_kv_blocks", "num_blocks"), ("dtype", "dtype"))},
+            ("num_kv_blocks", "num_blocks"), ("dtype", "dtype"), ("mamba_ssm_cache_dtype", "ssm_dtype"))},
     }
 
 

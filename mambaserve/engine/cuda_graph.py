@@ -25,8 +25,10 @@ logger = logging.getLogger("mambaserve")
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every 16 up to max_num_seqs (vLLM's spacing, capped)."""
-    sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
+    """1, 2, 4, 8, then every 16 up to 256, every 32 up to 512, every 64 beyond, up to
+    max_num_seqs (vLLM's spacing where it captures; a padded row of a large batch is cheap)."""
+    sizes = ([s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, min(max_num_seqs, 256) + 1, 16))
+             + list(range(288, min(max_num_seqs, 512) + 1, 32)) + list(range(576, max_num_seqs + 1, 64)))
     if max_num_seqs not in sizes:
         sizes.append(max_num_seqs)
     return sorted(set(sizes))

@@ -135,7 +135,7 @@ class ModelRunner:
         with torch.inference_mode():
             ids = torch.randint(0, self.vocab_size, (n,), device=self.device)
             hidden = self.model(ids, torch.arange(n, device=self.device), ctx)
-            self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+            self.model.compute_logits(hidden[-min(n, self.config.resolved_max_num_seqs()):])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated(self.device) - base
         del tiny, ctx, hidden
@@ -152,7 +152,8 @@ class ModelRunner:
         slot_bytes = bytes_per_slot(self.spec, self.dtype, self.ssm_dtype)
         block_bytes = bytes_per_block(self.spec, self.block_size, self.dtype)
         # One spare slot is kept for CUDA-graph padding rows, never handed to a request.
-        wanted_slots = cfg.num_state_slots or (cfg.max_num_seqs + 1)
+        wanted_seqs = cfg.resolved_max_num_seqs()
+        wanted_slots = cfg.num_state_slots or (wanted_seqs + 1)
         num_blocks = 0
         if self.has_attention:
             if cfg.num_kv_blocks is None and cfg.max_model_len is None:
@@ -176,10 +177,11 @@ class ModelRunner:
                     f"max_model_len={max_model_len} sequence needs ({min_blocks}); lower max_model_len or "
                     f"max_num_seqs, or raise {'gpu_memory_utilization' if on_gpu else 'cpu_cache_bytes'}")
         num_slots = cfg.num_state_slots or max(2, min(wanted_slots, (budget - num_blocks * block_bytes) // max(slot_bytes, 1)))
-        max_num_seqs = min(cfg.max_num_seqs, num_slots - 1)
-        if max_num_seqs < cfg.max_num_seqs:
-            logger.warning("max_num_seqs clamped from %d to %d: only %d state slots fit in the budget",
-                           cfg.max_num_seqs, max_num_seqs, num_slots)
+        max_num_seqs = min(wanted_seqs, num_slots - 1)
+        if max_num_seqs < wanted_seqs:
+            (logger.warning if cfg.max_num_seqs is not None else logger.info)(
+                "max_num_seqs clamped from %d to %d: only %d state slots fit in the budget",
+                wanted_seqs, max_num_seqs, num_slots)
         if self.max_num_batched_tokens < max_num_seqs:
             # more running decodes than tokens per step would starve the newest ones
             logger.warning("max_num_seqs clamped from %d to max_num_batched_tokens=%d", max_num_seqs,
