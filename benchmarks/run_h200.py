@@ -80,6 +80,10 @@ def _throughput_flags(smoke: bool, hf: bool = False) -> list[str]:
     flags = ["--dataset", "sharegpt-synthetic", "--num-prompts", str(SMOKE["num_prompts"] if smoke else NUM_PROMPTS)]
     if smoke:
         flags += ["--output-len", str(SMOKE["output_len"])] + ([] if hf else ["--num-warmup-prompts", "1"])
+    if hf:
+        # transformers' PyTorch SSD scan needs 128-512 GiB at batches of 32 of these prompts (OOM
+        # in session 3): batches of 2 fit
+        flags += ["--hf-max-batch-size", "2"]
     return flags
 
 

@@ -32,6 +32,9 @@ class EngineConfig:
     family's own default where it declares one (float32 for Nemotron-H), else the model dtype;
     "float32" keeps the state exact to the kernels' float32 accumulation at twice the bytes
     (decode of large batches reads and writes every running request's state each step).
+    async_scheduling: launch the next decode step before the host has read the current one's
+    tokens (they feed it on the device), so that the device does not wait for the host's
+    per-token work; a sequence that stops on a token costs one dropped step.
     compilation_mode: "eager", "piecewise" or "full_and_piecewise" (GPU default);
     enforce_eager=True forces "eager". cuda_graph_sizes: decode batch sizes to capture.
     """
@@ -55,6 +58,7 @@ class EngineConfig:
     enforce_eager: bool = False
     compilation_mode: str | None = None
     cuda_graph_sizes: list[int] | None = None
+    async_scheduling: bool = True
     skip_tokenizer_init: bool = False
     max_queue_len: int | None = None
 

@@ -61,6 +61,7 @@ class DecodeGraphRunner:
         self._host_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=pin)
         self._host_i32 = torch.zeros(2, n, dtype=torch.int32, pin_memory=pin)
         self._copied = torch.cuda.Event() if pin else None  # the host mirrors may be rewritten
+        self._host_table = torch.zeros(n, self.max_blocks if has_attention else 1, dtype=torch.int32, pin_memory=pin)
         self.query_start_loc = torch.arange(n + 1, **i32)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
         self.block_table = torch.zeros(n, self.max_blocks if has_attention else 1, **i32)
@@ -127,34 +128,50 @@ class DecodeGraphRunner:
         return None
 
     @torch.inference_mode()
-    def run(self, ids: list[int], positions: list[int], state_indices: list[int],
-            block_tables: list[list[int]] | None) -> torch.Tensor:
-        """Replay the decode graph for len(ids) one-token sequences; returns their float32
-        logits (batch, vocab). positions[i] is the new token's position (= tokens before it)."""
-        b = len(ids)
+    def run(self, ids: list[int] | None, positions: list[int], state_indices: list[int],
+            block_tables: list[list[int]] | None, device_ids: tuple[torch.Tensor, list[int] | None] | None = None
+            ) -> torch.Tensor:
+        """Replay the decode graph for len(positions) one-token sequences; returns their float32
+        logits (batch, vocab). positions[i] is the new token's position (= tokens before it).
+
+        The input tokens are `ids` (host), or, with ids=None, device_ids = (tokens, rows): row
+        rows[i] of the (m,) int64 device tensor `tokens` (rows None: row i), read in stream
+        order, so that a step can take the tokens the previous step sampled before the host
+        has seen them. Nothing here waits for the device, except for the previous step's input
+        copies to have left the pinned host buffers."""
+        b = len(positions)
         bs = self.padded_size(b)
         assert bs is not None, "batch larger than the largest captured size"
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the mirrors
         h64, h32 = self._host_i64.numpy(), self._host_i32.numpy()
         pos = np.asarray(positions, dtype=np.int64)
-        h64[0, :b], h64[1, :b] = ids, pos
+        if ids is not None:
+            h64[0, :b] = ids
+        elif device_ids[1] is not None:
+            h64[0, :b] = device_ids[1]  # staged as indices into the device tokens
+        h64[1, :b] = pos
         h32[0, :b], h32[1, :b] = state_indices, pos + 1
         # padding rows: token 0 at position 0, no state (-1), no KV slot (-1), length 1
         h64[0:2, b:bs], h64[2, b:bs], h32[0, b:bs], h32[1, b:bs] = 0, -1, -1, 1
         if self.has_attention:
             # numpy rows from lists: a few microseconds per sequence, where torch rows cost tens
             width = max(len(t) for t in block_tables)
-            table = np.zeros((b, width), dtype=np.int32)
+            table = self._host_table.numpy()[:b, :width]  # pinned: the copy below does not block
+            table[:] = 0
             for i, t in enumerate(block_tables):
                 table[i, : len(t)] = t
             h64[2, :b] = table[np.arange(b), pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
-            self.block_table[:b, :width].copy_(torch.from_numpy(table), non_blocking=True)
+            self.block_table[:b, :width].copy_(self._host_table[:b, :width], non_blocking=True)
         else:
             h64[2, :b] = -1
         self._i64.copy_(self._host_i64, non_blocking=True)  # whole buffers: one contiguous copy each
         self._i32.copy_(self._host_i32, non_blocking=True)
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
+        if ids is None:
+            tokens, rows = device_ids
+            picked = tokens[:b] if rows is None else tokens.index_select(0, self.input_ids[:b])
+            self.input_ids[:b].copy_(picked)
         self.graphs[bs].replay()
         return self.outputs[bs][:b]

@@ -19,9 +19,9 @@ from mambaserve.cache.block_pool import BlockPool
 from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.config import EngineConfig
 from mambaserve.engine.detokenizer import DecodeState, Detokenizer
-from mambaserve.engine.model_runner import ModelRunner
-from mambaserve.engine.sampler import Sampler, prompt_logprobs
-from mambaserve.engine.scheduler import Scheduler
+from mambaserve.engine.model_runner import ModelRunner, StepLogits
+from mambaserve.engine.sampler import PendingSample, Sampler, prompt_logprobs
+from mambaserve.engine.scheduler import ScheduledSequence, Scheduler
 from mambaserve.engine.sequence import Sequence, SequenceStatus
 from mambaserve.outputs import CompletionOutput, RequestOutput
 from mambaserve.sampling_params import SamplingParams
@@ -46,6 +46,17 @@ class _Request:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     final_only: bool = False
+
+
+@dataclass
+class _Step:
+    """A launched step: its batch, its logits, its sampling (maybe still on the device), and
+    how the forward ran (decode_graph, piecewise, eager)."""
+
+    scheduled: list[ScheduledSequence]
+    result: StepLogits
+    sample: PendingSample | None
+    path: str
 
 
 class LLMEngine:
@@ -84,6 +95,7 @@ class LLMEngine:
         # tokens, longest step's seconds]; path is how the forward ran (decode_graph, piecewise,
         # eager). A step's seconds run from scheduling to the sampled tokens on the host (a sync).
         self.step_breakdown: dict[str, list[float]] = {}
+        self._inflight: _Step | None = None  # a decode step launched ahead (async scheduling)
 
     def _eos_ids(self) -> list[int]:
         eos = getattr(self.runner.model.config, "eos_token_id", None)
@@ -191,17 +203,73 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns the outputs of requests that advanced or finished."""
+        """One engine iteration; returns the outputs of requests that advanced or finished.
+
+        With async scheduling (the default), a decode step may already be running on the
+        device when this is called (launched by the previous call); otherwise the scheduler
+        picks a batch and it is launched here. Before waiting for that step's tokens, the
+        next decode step is launched when it can be known without them (`_launch_next`), so
+        the device works while the host updates sequences, detokenises and checks stops.
+        """
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        self.stats["preemptions"] += len(sched.preempted)
-        if sched.is_empty:
-            return []
-        result = self.runner.execute(sched.scheduled)
-        sampled = self.sampler(result.sample_logits, result.sample_seqs) if result.sample_seqs else None
-        self._record_step(sched.scheduled, time.perf_counter() - t0)
+        step = self._inflight
+        self._inflight = None
+        if step is not None and all(s.seq.is_finished for s in step.scheduled):
+            step = None  # every sequence of it finished or was aborted meanwhile: drop it
+        if step is None:
+            sched = self.scheduler.schedule()
+            self.stats["preemptions"] += len(sched.preempted)
+            if sched.is_empty:
+                return []
+            result = self.runner.execute(sched.scheduled)
+            sample = self.sampler.launch(result.sample_logits, result.sample_seqs) if result.sample_seqs else None
+            step = _Step(sched.scheduled, result, sample, self.runner.last_path)
+        if self.config.async_scheduling:
+            self._inflight = self._launch_next(step)
+        outputs = self._process(step)
+        self._record_step(step, time.perf_counter() - t0)
+        return outputs
+
+    def _launch_next(self, step: "_Step") -> "_Step | None":
+        """Launch the decode step that follows `step`, whose tokens are still on the device, if
+        it does not depend on them beyond their values: `step` was a decode step, nothing waits
+        for admission, and every sequence continuing needs no penalties, no logprobs and no
+        min_tokens masking (they read the host's token lists), and gets its KV block now. A
+        sequence that reaches its length limit with `step` is left out; one that stops on a
+        token of `step` (EOS, a stop string) is discovered afterwards and its extra token is
+        dropped. Returns the launched step, or None."""
+        if (step.path not in ("decode_graph", "eager") or step.sample is None or self.scheduler.waiting
+                or any(s.num_new_tokens != 1 or s.seq.num_computed_tokens + 1 != s.seq.num_tokens
+                       for s in step.scheduled)):
+            return None
+        rows, seqs = [], []
+        for i, s in enumerate(step.scheduled):
+            seq, p = s.seq, s.seq.sampling_params
+            if seq.is_finished:
+                continue
+            if p.has_penalties or p.logprobs is not None or seq.num_output_tokens + 1 < p.min_tokens:
+                return None
+            if (seq.num_output_tokens + 1 >= (p.max_tokens or self.max_model_len)
+                    or seq.num_tokens + 1 >= self.max_model_len):
+                continue  # finishes on step's token
+            rows.append(i)
+            seqs.append(seq)
+        if not seqs or not all(self.scheduler.reserve_tokens(seq, seq.num_tokens + 1) for seq in seqs):
+            return None
+        tokens = step.sample.token_ids
+        result = self.runner.execute_chained_decode(seqs, tokens, None if len(rows) == len(step.scheduled) else rows)
+        sample = self.sampler.launch(result.sample_logits, result.sample_seqs)
+        return _Step([ScheduledSequence(seq, 1) for seq in seqs], result, sample, self.runner.last_path)
+
+    def _process(self, step: "_Step") -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them: computed counts, prompt logprobs,
+        new tokens, text and stop conditions. Sequences that finished (or were aborted) after
+        the step was launched are skipped: what the step computed for them is dropped."""
+        result = step.result
+        sampled = step.sample.result() if step.sample is not None else None
+        live = [s for s in step.scheduled if not s.seq.is_finished and s.seq.request_id in self._seq_owner]
         touched: dict[str, _Request] = {}
-        for s in sched.scheduled:
+        for s in live:
             s.seq.num_computed_tokens += s.num_new_tokens
             req, _ = self._seq_owner[s.seq.request_id]
             touched[req.request_id] = req
@@ -212,11 +280,14 @@ class LLMEngine:
         # prompt tokens computed for the first time (a recompute after preemption is not counted)
         self.stats["prompt_tokens"] += sum(
             max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - (s.seq.num_computed_tokens - s.num_new_tokens))
-            for s in sched.scheduled if s.seq.num_preemptions == 0)
+            for s in live if s.seq.num_preemptions == 0)
         self.stats["steps"] += 1
         if sampled is not None:
             now = time.time()
+            live_ids = {id(s.seq) for s in live}
             for seq, token, lps in zip(result.sample_seqs, sampled.token_ids, sampled.logprobs):
+                if id(seq) not in live_ids:
+                    continue
                 req, idx = self._seq_owner[seq.request_id]
                 if req.first_token_time is None:
                     req.first_token_time = now
@@ -227,10 +298,12 @@ class LLMEngine:
         return [self._output(req) for req in touched.values()
                 if not req.final_only or all(seq.is_finished for seq in req.seqs)]
 
-    def _record_step(self, scheduled, seconds: float) -> None:
-        decodes = sum(1 for s in scheduled if s.seq.num_computed_tokens >= s.seq.num_prompt_tokens)
+    def _record_step(self, step: "_Step", seconds: float) -> None:
+        scheduled = step.scheduled
+        # after _process: a decode's computed tokens now pass its prompt; a prefill's may too
+        decodes = sum(1 for s in scheduled if s.seq.num_computed_tokens - s.num_new_tokens >= s.seq.num_prompt_tokens)
         kind = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
-        entry = self.step_breakdown.setdefault(f"{self.runner.last_path}/{kind}", [0, 0.0, 0, 0.0])
+        entry = self.step_breakdown.setdefault(f"{step.path}/{kind}", [0, 0.0, 0, 0.0])
         entry[0] += 1
         entry[1] += seconds
         entry[2] += sum(s.num_new_tokens for s in scheduled)

@@ -19,6 +19,7 @@ from mambaserve.cache.tensors import allocate_caches, bytes_per_block, bytes_per
 from mambaserve.config import EngineConfig
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.engine.scheduler import ScheduledSequence
+from mambaserve.engine.sequence import Sequence
 from mambaserve.loader import DTYPES, load_model
 
 logger = logging.getLogger("mambaserve")
@@ -263,6 +264,33 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, pos, ctx)
         return self._needed_logits(scheduled, lambda rows: self.model.compute_logits(hidden[rows]))
+
+    @torch.inference_mode()
+    def execute_chained_decode(self, seqs: list[Sequence], tokens: torch.Tensor, rows: list[int] | None) -> StepLogits:
+        """The decode step that follows one still in flight: each sequence's input is the token
+        the previous step sampled for it, row rows[i] (None: i) of the device tensor `tokens`,
+        which the host has not read yet. The host bookkeeping of that previous step is not done
+        either: each sequence's new token sits at position num_computed_tokens + 1. Block
+        tables must already cover it. Every sequence samples; logits (len(seqs), vocab)."""
+        positions = [s.num_computed_tokens + 1 for s in seqs]
+        graphs = self.decode_graphs
+        if graphs is not None and len(seqs) <= graphs.max_size:
+            self.last_path = "decode_graph"
+            logits = graphs.run(None, positions, [s.state_slot for s in seqs],
+                                [s.block_table for s in seqs] if self.has_attention else None,
+                                device_ids=(tokens, rows))
+            return StepLogits(list(seqs), logits, {})
+        self.last_path = "eager"
+        ctx = ForwardContext.build(
+            query_lens=[1] * len(seqs), seq_lens=[p + 1 for p in positions],
+            state_indices=[s.state_slot for s in seqs], has_initial_state=[True] * len(seqs),
+            block_tables=[s.block_table for s in seqs] if self.has_attention else None,
+            block_size=self.block_size, device=self.device,
+            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv)
+        ids = tokens[: len(seqs)] if rows is None else tokens[torch.tensor(rows, device=tokens.device)]
+        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        hidden = self.model(ids, pos, ctx)
+        return StepLogits(list(seqs), self.model.compute_logits(hidden), {})
 
     def _needed_logits(self, scheduled: list[ScheduledSequence], logits_of) -> StepLogits:
         """The rows to sample from (each sequence reaching its end) and the prompt rows of

@@ -40,6 +40,24 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
+class PendingSample:
+    """Tokens sampled on the device and not yet read by the host (see `Sampler.launch`).
+
+    token_ids: (batch,) int64 on the logits' device, valid in stream order: a later kernel may
+    read them (the next decode step's input ids) before the host has them."""
+
+    def __init__(self, token_ids: torch.Tensor | None, done: SamplerOutput | None = None):
+        self.token_ids = token_ids
+        self._done = done
+
+    def result(self) -> SamplerOutput:
+        """The tokens on the host (one device sync, the first time)."""
+        if self._done is None:
+            n = self.token_ids.shape[0]
+            self._done = SamplerOutput(self.token_ids.tolist(), [None] * n)
+        return self._done
+
+
 class Sampler:
     """Samples one token per sequence from a (batch, vocab) float32 logits tensor.
 
@@ -56,9 +74,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
         """logits: (batch, vocab), one row per sequence of `seqs`, on any device. Not modified."""
+        return self.launch(logits, seqs).result()
+
+    def launch(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingSample:
+        """Enqueue the sampling of `logits` (same arguments as calling the sampler) and return
+        before the host waits for the tokens, unless some sequence wants logprobs (those are
+        read at once). Every kernel that reads `logits` is enqueued before this returns, so
+        the logits buffer may be overwritten by work enqueued afterwards."""
         assert logits.dim() == 2 and logits.shape[0] == len(seqs), (tuple(logits.shape), len(seqs))
         if not seqs:
-            return SamplerOutput([], [])
+            return PendingSample(None, SamplerOutput([], []))
         params = [s.sampling_params for s in seqs]
         raw = logits
         logits = logits.float()
@@ -75,7 +100,7 @@ class Sampler:
 
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         if not want_logprobs:
-            return SamplerOutput(token_ids.tolist(), [None] * len(seqs))
+            return PendingSample(token_ids)
 
         rows = _to_device(want_logprobs, raw.device)
         num_top = max(params[i].logprobs for i in want_logprobs)
@@ -84,7 +109,7 @@ class Sampler:
         out: list[dict[int, Logprob] | None] = [None] * len(seqs)
         for d, i in zip(lp_dicts, want_logprobs):
             out[i] = _truncate(d, params[i].logprobs)
-        return SamplerOutput(tokens_host, out)
+        return PendingSample(token_ids, SamplerOutput(tokens_host, out))
 
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """-inf on EOS and stop_token_ids for rows below min_tokens (a copy if any is masked)."""

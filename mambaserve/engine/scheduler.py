@@ -204,6 +204,13 @@ class Scheduler:
 
     # -- resources ---------------------------------------------------------------------------
 
+    def reserve_tokens(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow a running sequence's block table to cover num_tokens tokens, for a step the
+        engine launches without `schedule` (the decode step after one still in flight);
+        False (nothing taken) if the blocks are short."""
+        assert seq.status == SequenceStatus.RUNNING, seq
+        return self._grow_blocks(seq, num_tokens)
+
     def _grow_blocks(self, seq: Sequence, num_tokens: int) -> bool:
         """Extend seq.block_table to cover num_tokens tokens; False (nothing taken) if short."""
         if self.block_pool is None:

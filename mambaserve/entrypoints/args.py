@@ -30,6 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-cache-bytes", type=int, default=1 << 30, help="cache budget on the CPU, in bytes")
     g.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--enforce-eager", action="store_true", help="no torch.compile, no CUDA graphs")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch each decode step before the host has read the previous one's tokens (default on)")
     g.add_argument("--compilation-mode", default=None, choices=COMPILATION_MODES)
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None)
     g.add_argument("--skip-tokenizer-init", action="store_true")

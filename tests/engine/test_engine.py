@@ -311,3 +311,66 @@ def test_prompt_and_generation_token_counters(kw):
     stats = llm.llm_engine.stats
     assert stats["prompt_tokens"] == sum(len(p) for p in prompts)
     assert stats["generation_tokens"] == sum(len(o) for o in outs)
+
+
+def _count_chained(llm):
+    """Wrap the runner's chained-decode entry point: returns a list whose [0] counts its calls."""
+    runner, calls = llm.llm_engine.runner, [0]
+    inner = runner.execute_chained_decode
+
+    def counted(*args, **kw):
+        calls[0] += 1
+        return inner(*args, **kw)
+
+    runner.execute_chained_decode = counted
+    return calls
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_async_scheduling_equals_sync(name):
+    """The decode step launched before the host reads the previous tokens changes nothing:
+    greedy, seeded sampling, stop tokens met mid-run, length limits, n=2, all as without it."""
+    prompts = prompts_for(name)
+    probe = run(make(name, async_scheduling=False), prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    stop_tok = probe[3][5]  # met at the 6th token of prompt 3's greedy run (maybe earlier elsewhere)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.9, seed=7, max_tokens=15),
+        SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]),
+        SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=9, n=2),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+    ]
+    results = {}
+    for mode in (False, True):
+        llm = make(name, async_scheduling=mode, max_num_seqs=4)
+        calls = _count_chained(llm)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[mode] = [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+        assert (calls[0] > 0) == mode
+        assert_pools_empty(llm)
+    assert results[True] == results[False]
+    assert results[True][3][0][1] == "stop" and len(results[True][3][0][0]) <= 6
+
+
+def test_abort_while_a_decode_step_is_in_flight(alone):
+    """A request aborted while the step after its last is already launched: the other request
+    continues as if alone, and the aborted one's slot and blocks come back."""
+    name = "granite-moe"
+    llm = make(name, max_num_seqs=4)
+    e = llm.llm_engine
+    prompts = prompts_for(name)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    e.add_request("keep", {"prompt_token_ids": prompts[4]}, params)
+    e.add_request("drop", {"prompt_token_ids": prompts[5]}, params)
+    for _ in range(4):
+        e.step()
+    assert e._inflight is not None  # the next decode step is running ahead
+    assert e.abort_request("drop")
+    done = {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {"keep": alone(name)[4]}
+    assert_pools_empty(llm)
