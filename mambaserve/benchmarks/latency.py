@@ -21,11 +21,11 @@ from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `bench latency`: vLLM's benchmark_latency ones plus the shared engine flags."""
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--num-iters-warmup", type=int, default=10)
-    parser.add_argument("--num-iters", type=int, default=30)
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request (random ids)")
+    parser.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    parser.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations first")
+    parser.add_argument("--num-iters", type=int, default=30, help="timed iterations")
     parser.add_argument("--output-json", default=None, help="write the results record here")
     parser.add_argument("--disable-tqdm", action="store_true")
     add_engine_args(parser)

@@ -23,7 +23,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default=SYNTHETIC,
                         help=f"'{SYNTHETIC}' (built-in ShareGPT-shaped lengths, random token ids; default), "
                              f"'{RANDOM}' (random token ids of --input-len/--output-len), or a ShareGPT-format JSON file")
-    parser.add_argument("--num-prompts", type=int, default=1000)
+    parser.add_argument("--num-prompts", type=int, default=1000, help="requests in the run")
     parser.add_argument("--input-len", type=int, default=1024, help="prompt length of --dataset random")
     parser.add_argument("--output-len", type=int, default=None,
                         help="output length (default 128 for --dataset random; overrides the dataset's otherwise)")

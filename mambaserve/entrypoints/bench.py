@@ -6,6 +6,8 @@ lives in `mambaserve/benchmarks/`.
 
 from __future__ import annotations
 
+import argparse
+
 from mambaserve.benchmarks import latency, serve, throughput
 
 _BENCHMARKS = {
@@ -20,6 +22,7 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: latency, throughput, serve")
     bench_sub = p.add_subparsers(dest="bench_command", required=True)
     for name, (module, help_text) in _BENCHMARKS.items():
-        bp = bench_sub.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0])
+        bp = bench_sub.add_parser(name, help=help_text, description=module.__doc__.split("\n\n")[0],
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_cli_args(bp)
         bp.set_defaults(func=module.main)
