@@ -1,0 +1,39 @@
+"""Every real architecture's config in benchmarks/configs builds at full size (on the meta
+device: no memory) with exactly as many parameters as transformers' own class for it, and
+declares one state cache per Mamba layer and one KV cache per attention use."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mambaserve.loader import load_config
+from mambaserve.models import get_model_class
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+SUPPORTED = sorted(p.name for p in CONFIGS.glob("*.json") if p.name != "mamba-130m.json")
+
+
+@pytest.mark.parametrize("file", SUPPORTED)
+def test_real_config_matches_transformers_parameter_count(file):
+    raw = json.loads((CONFIGS / file).read_text())
+    config = load_config(CONFIGS / file)
+    with torch.device("meta"):
+        ours = get_model_class(config)(config)
+        theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
+    count = lambda m: sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
+    assert count(ours) == count(theirs)
+    spec = ours.cache_spec()
+    assert len(spec.mamba) + len(spec.attention) > 0
+    layer_types = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
+    if isinstance(layer_types, list) and "zamba" not in file:
+        n_mamba = sum(t in ("mamba", "linear_attention", "M") for t in layer_types)
+        assert len(spec.mamba) == n_mamba
+
+
+def test_mamba1_config_is_refused_with_the_supported_list():
+    config = load_config(CONFIGS / "mamba-130m.json")
+    with pytest.raises(ValueError, match="supports"):
+        get_model_class(config)
