@@ -5,6 +5,7 @@
 # to pay for one machine start only.
 #   bash benchmarks/gpu_session.sh tests     # 1: every GPU test, bamba-9b throughput by step kind, a step profile (~9 min)
 #   bash benchmarks/gpu_session.sh kernels   # bamba-9b step profiles, the Mamba kernel benchmarks, the decode MoE sweep (~7 min)
+#   bash benchmarks/gpu_session.sh async     # granite batch-1 latency with and without async scheduling (~2 min)
 #   bash benchmarks/gpu_session.sh engine    # 2: the three issue-7 models, graphed, transformers, eager (9.5 min)
 #   bash benchmarks/gpu_session.sh families  # 3: zamba2-2.7b and nemotron-h-8b latency (issue 11, ~5 min)
 # A part cut short by its budget: `run_h200.py --resume` (see its docstring) completes it.
@@ -34,6 +35,17 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/kernels.py --sweep --output-json "$OUT/kernels-h200.json" 2>&1 | tail -30
     timeout 60 python3 benchmarks/kernels_attention_moe.py --only-decode-moe --out "$OUT/moe-decode-sweep.json" 2>&1 | tail -9
     ;;
+  async)
+    # issue 6: batch-1 decode with and without async scheduling, side by side (granite, 1,024 and 31,500 in)
+    for flag in --async-scheduling --no-async-scheduling; do
+      for i in 1024 31500; do
+        timeout 90 python3 -m mambaserve.entrypoints.cli bench latency --model benchmarks/configs/granite-4.0-tiny-preview.json \
+          --load-format dummy --dtype bfloat16 --input-len "$i" --output-len 128 --batch-size 1 --num-iters-warmup 2 \
+          --num-iters 5 --max-model-len 32768 --skip-tokenizer-init --disable-tqdm $flag \
+          --output-json "$OUT/latency-granite-in$i${flag/--/-}.json" 2>&1 | grep -E "^Avg latency|decode time" | sed "s/^/[in$i $flag] /"
+      done
+    done
+    ;;
   engine)
     timeout 570 python3 benchmarks/run_h200.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
     ;;
@@ -50,5 +62,5 @@ case "${1:-}" in
       done
     done
     ;;
-  *) echo "usage: $0 tests|kernels|engine|families" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|kernels|async|engine|families" >&2; exit 2 ;;
 esac
