@@ -2,7 +2,9 @@
 benchmarks all drive this one `step()`.
 
 A step reads like a paragraph: schedule, run the model, sample, update the sequences (tokens,
-detokenised text, stop conditions), free what finished, and report outputs.
+detokenised text, stop conditions), free what finished, and report outputs. With async
+scheduling, a decode step is launched one call ahead, before the host has read the tokens it
+continues from (they feed it on the device): the device computes while the host updates.
 """
 
 from __future__ import annotations
