@@ -59,6 +59,7 @@ class _Step:
     result: StepLogits
     sample: PendingSample | None
     path: str
+    fed_tokens: int = 0  # tokens of sequences still live when it was processed (the rest are dropped)
 
 
 class LLMEngine:
@@ -270,6 +271,7 @@ class LLMEngine:
         result = step.result
         sampled = step.sample.result() if step.sample is not None else None
         live = [s for s in step.scheduled if not s.seq.is_finished and s.seq.request_id in self._seq_owner]
+        step.fed_tokens = sum(s.num_new_tokens for s in live)
         touched: dict[str, _Request] = {}
         for s in live:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -308,7 +310,7 @@ class LLMEngine:
         entry = self.step_breakdown.setdefault(f"{step.path}/{kind}", [0, 0.0, 0, 0.0])
         entry[0] += 1
         entry[1] += seconds
-        entry[2] += sum(s.num_new_tokens for s in scheduled)
+        entry[2] += step.fed_tokens
         entry[3] = max(entry[3], seconds)
 
     def _store_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
