@@ -235,8 +235,8 @@ class LLMEngine:
 
     def _launch_next(self, step: "_Step") -> "_Step | None":
         """Launch the decode step that follows `step`, whose tokens are still on the device, if
-        it does not depend on them beyond their values: `step` was a decode step, nothing waits
-        for admission, and every sequence continuing needs no penalties, no logprobs and no
+        it does not depend on them beyond their values: `step` was a decode step of every
+        running sequence, nothing waits for admission, and every sequence continuing needs no penalties, no logprobs and no
         min_tokens masking (they read the host's token lists), and gets its KV block now. A
         sequence that reaches its length limit with `step` is left out; one that stops on a
         token of `step` (EOS, a stop string) is discovered afterwards and its extra token is
@@ -245,6 +245,9 @@ class LLMEngine:
                 or any(s.num_new_tokens != 1 or s.seq.num_computed_tokens + 1 != s.seq.num_tokens
                        for s in step.scheduled)):
             return None
+        in_step = {id(s.seq) for s in step.scheduled}
+        if any(id(seq) not in in_step for seq in self.scheduler.running):
+            return None  # a running sequence the scheduler left out (a prefill short of budget) goes next
         rows, seqs = [], []
         for i, s in enumerate(step.scheduled):
             seq, p = s.seq, s.seq.sampling_params
