@@ -253,7 +253,8 @@ class LLMEngine:
             seq, p = s.seq, s.seq.sampling_params
             if seq.is_finished:
                 continue
-            if p.has_penalties or p.logprobs is not None or seq.num_output_tokens + 1 < p.min_tokens:
+            # the sampler masks min_tokens from the host's count, one behind for the launched step
+            if p.has_penalties or p.logprobs is not None or seq.num_output_tokens + 1 <= p.min_tokens:
                 return None
             if (seq.num_output_tokens + 1 >= (p.max_tokens or self.max_model_len)
                     or seq.num_tokens + 1 >= self.max_model_len):

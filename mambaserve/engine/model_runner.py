@@ -287,7 +287,13 @@ class ModelRunner:
             block_tables=[s.block_table for s in seqs] if self.has_attention else None,
             block_size=self.block_size, device=self.device,
             mamba_caches=self.caches.mamba, kv_caches=self.caches.kv)
-        ids = tokens[: len(seqs)] if rows is None else tokens[torch.tensor(rows, device=tokens.device)]
+        if rows is None:
+            ids = tokens[: len(seqs)]
+        else:
+            index = torch.tensor(rows, dtype=torch.int64)
+            if tokens.is_cuda:
+                index = index.pin_memory()  # a pageable copy would wait for the step in flight
+            ids = tokens[index.to(tokens.device, non_blocking=True)]
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(ids, pos, ctx)
         return StepLogits(list(seqs), self.model.compute_logits(hidden), {})

@@ -49,12 +49,25 @@ class PendingSample:
     def __init__(self, token_ids: torch.Tensor | None, done: SamplerOutput | None = None):
         self.token_ids = token_ids
         self._done = done
+        self._host = self._copied = None
+        if done is None and token_ids.is_cuda:
+            # Copy to pinned memory now, in stream order right after the sampling: `result`
+            # then waits for this copy only, not for work enqueued later on the stream (the
+            # next decode step), which a plain .tolist() would wait for.
+            self._host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host.copy_(token_ids, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def result(self) -> SamplerOutput:
-        """The tokens on the host (one device sync, the first time)."""
+        """The tokens on the host (waits for them, the first time)."""
         if self._done is None:
-            n = self.token_ids.shape[0]
-            self._done = SamplerOutput(self.token_ids.tolist(), [None] * n)
+            if self._copied is not None:
+                self._copied.synchronize()
+                ids = self._host.tolist()
+            else:
+                ids = self.token_ids.tolist()
+            self._done = SamplerOutput(ids, [None] * len(ids))
         return self._done
 
 

@@ -340,7 +340,10 @@ def test_async_scheduling_equals_sync(name):
         SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_tok]),
         SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=9, n=2),
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        # min_tokens ends at the token the stop id is met: masked one step too long, it would run on
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, min_tokens=2, stop_token_ids=[probe[4][2]]),
     ]
+    prompts = prompts + [prompts[4]]
     results = {}
     for mode in (False, True):
         llm = make(name, async_scheduling=mode, max_num_seqs=4)
@@ -351,6 +354,7 @@ def test_async_scheduling_equals_sync(name):
         assert_pools_empty(llm)
     assert results[True] == results[False]
     assert results[True][3][0][1] == "stop" and len(results[True][3][0][0]) <= 6
+    assert results[True][6][0][1] == "stop" and len(results[True][6][0][0]) <= 3
 
 
 def test_abort_while_a_decode_step_is_in_flight(alone):
