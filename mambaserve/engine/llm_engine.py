@@ -274,7 +274,7 @@ class LLMEngine:
         the step was launched are skipped: what the step computed for them is dropped."""
         result = step.result
         sampled = step.sample.result() if step.sample is not None else None
-        live = [s for s in step.scheduled if not s.seq.is_finished and s.seq.request_id in self._seq_owner]
+        live = [s for s in step.scheduled if not s.seq.is_finished]  # an aborted one is finished too
         step.fed_tokens = sum(s.num_new_tokens for s in live)
         touched: dict[str, _Request] = {}
         for s in live:
@@ -292,9 +292,8 @@ class LLMEngine:
         self.stats["steps"] += 1
         if sampled is not None:
             now = time.time()
-            live_ids = {id(s.seq) for s in live}
             for seq, token, lps in zip(result.sample_seqs, sampled.token_ids, sampled.logprobs):
-                if id(seq) not in live_ids:
+                if seq.is_finished:  # before the step was processed: its token is dropped
                     continue
                 req, idx = self._seq_owner[seq.request_id]
                 if req.first_token_time is None:
