@@ -148,3 +148,63 @@ def checkpoint(name: str) -> str:
     path = tempfile.mkdtemp(prefix=f"mambaserve-{name}-")
     hf_model(name).save_pretrained(path)
     return path
+
+
+def _router_margin(router, hidden_states) -> torch.Tensor:
+    """Per token, how far a transformers MoE router's choice is from a tie: the smallest gap between
+    a chosen and a passed-over score (and, for group-limited routing, between the kept and the next
+    group). hidden_states: (..., hidden) -> (num_tokens,) float32."""
+    x = hidden_states.reshape(-1, router.weight.shape[1]).float()
+    logits = x @ router.weight.float().T
+    k = router.top_k
+    if not hasattr(router, "e_score_correction_bias"):  # granite: softmax over the top-k logits
+        top = logits.topk(k + 1, dim=-1).values
+        return top[:, k - 1] - top[:, k]
+    s = logits.sigmoid() + router.e_score_correction_bias.float()  # nemotron-h: DeepSeek-V3 routing
+    grouped = s.view(len(s), router.num_group, -1)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values
+    kept = group_scores[:, router.topk_group - 1]
+    margin = kept - group_scores[:, router.topk_group] if router.topk_group < router.num_group else torch.full_like(kept, float("inf"))
+    keep = grouped.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices  # (T, topk_group)
+    pool = grouped.gather(1, keep[:, :, None].expand(-1, -1, grouped.shape[-1])).flatten(1)
+    top = pool.topk(min(k + 1, pool.shape[1]), dim=-1).values
+    if top.shape[1] > k:
+        margin = torch.minimum(margin, top[:, k - 1] - top[:, k])
+    return margin
+
+
+def tie_free_tokens(hf, lengths: list[int], min_margin: float = 0.02, tries: int = 32) -> list[list[int]]:
+    """Random token sequences of the given lengths on which no MoE router of `hf` (float32) is near a
+    tie: each token is drawn until every router's margin at its position is at least `min_margin`.
+
+    In bfloat16 a near tie can pick another expert in one implementation and not the other, an O(1)
+    change of that token's logits and, through the recurrent state, of later ones: not a bug, and not
+    a bar a parity test can set. Models without routers get plain random tokens. Uses the global RNG.
+    """
+    vocab = hf.config.vocab_size
+    routers = [m for m in hf.modules() if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
+    if not routers:
+        return [torch.randint(3, vocab, (n,)).tolist() for n in lengths]
+    margins: list[torch.Tensor] = []  # per router call: (tries,) margins at the last position
+
+    def record(router, args, _out):
+        margins.append(_router_margin(router, args[0]).view(tries, -1)[:, -1])
+
+    hooks = [r.register_forward_hook(record) for r in routers]
+    try:
+        seqs = []
+        for n in lengths:
+            seq: list[int] = []
+            for _ in range(n):
+                cands = torch.randint(3, vocab, (tries, 1))
+                margins.clear()
+                with torch.no_grad():
+                    hf(torch.cat([torch.tensor(seq, dtype=torch.long).expand(tries, len(seq)), cands], 1))
+                worst = torch.stack(margins).min(0).values  # (tries,)
+                ok = (worst >= min_margin).nonzero()
+                seq.append(int(cands[ok[0, 0] if len(ok) else worst.argmax(), 0]))
+            seqs.append(seq)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seqs
