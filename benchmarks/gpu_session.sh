@@ -36,15 +36,17 @@ case "${1:-}" in
     timeout 60 python3 benchmarks/kernels_attention_moe.py --only-decode-moe --out "$OUT/moe-decode-sweep.json" 2>&1 | tail -9
     ;;
   async)
-    # issue 6: batch-1 decode with and without async scheduling, side by side (granite, 1,024 and 31,500 in)
-    for flag in --async-scheduling --no-async-scheduling; do
-      for i in 1024 31500; do
-        timeout 90 python3 -m mambaserve.entrypoints.cli bench latency --model benchmarks/configs/granite-4.0-tiny-preview.json \
-          --load-format dummy --dtype bfloat16 --input-len "$i" --output-len 128 --batch-size 1 --num-iters-warmup 2 \
-          --num-iters 5 --max-model-len 32768 --skip-tokenizer-init --disable-tqdm $flag \
-          --output-json "$OUT/latency-granite-in$i${flag/--/-}.json" 2>&1 | grep -E "^Avg latency|decode time" | sed "s/^/[in$i $flag] /"
-      done
+    # issue 6: batch-1 decode with and without async scheduling, side by side (granite, 1,024 and 31,500 in),
+    # then the issue's eager run at 31,500 in the same script (3 warm-up, 3 timed iterations each)
+    for run in "--async-scheduling 1024" "--async-scheduling 31500" "--no-async-scheduling 1024" \
+               "--no-async-scheduling 31500" "--enforce-eager 31500"; do
+      set -- $run
+      timeout 100 python3 -m mambaserve.entrypoints.cli bench latency --model benchmarks/configs/granite-4.0-tiny-preview.json \
+        --load-format dummy --dtype bfloat16 --input-len "$2" --output-len 128 --batch-size 1 --num-iters-warmup 3 \
+        --num-iters 3 --max-model-len 32768 --skip-tokenizer-init --disable-tqdm $1 \
+        --output-json "$OUT/latency-granite-in$2${1/--/-}.json" 2>&1 | grep -E "^Avg latency|decode time|Error" | sed "s/^/[in$2 $1] /"
     done
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/engine/test_gpu.py -k "async" 2>&1 | tail -3
     ;;
   engine)
     timeout 570 python3 benchmarks/run_h200.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
