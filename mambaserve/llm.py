@@ -1,4 +1,4 @@
-"""The offline API: `LLM(model).generate(prompts, sampling_params)`, as in vLLM.
+"""The offline API: `LLM(model).generate(prompts, sampling_params)` and `.chat(messages)`, as in vLLM.
 
 It drives the engine's `step()` until every request is done and returns outputs in input
 order. Same loop as the server and the benchmarks.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence as Seq
 
+from mambaserve.chat import render_chat
 from mambaserve.config import EngineConfig
 from mambaserve.engine.llm_engine import LLMEngine
 from mambaserve.outputs import RequestOutput
@@ -37,6 +38,37 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation or to each of a list of them.
+
+        messages: a conversation ([{"role": "user", "content": "..."}, ...]) or a list of
+        conversations. Each is rendered with the model's chat template (`mambaserve.chat.render_chat`,
+        the same text as the server's /v1/chat/completions) and tokenized without adding special
+        tokens again. The other arguments are as in `generate` and `render_chat`. Returns one
+        RequestOutput per conversation, in input order, whose `prompt` is the rendered text.
+        Raises ValueError for a bad conversation (nothing is queued then), as `render_chat` does.
+        """
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a conversation (a list of message dicts) or a list of them")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(
         self,

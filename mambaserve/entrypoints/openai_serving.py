@@ -23,6 +23,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
+from mambaserve.chat import render_chat
 from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput, RequestStream
 from mambaserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                              ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
@@ -208,27 +209,14 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if req.n > MAX_SEQUENCES_PER_REQUEST:
             raise ApiError(400, f"n must be <= {MAX_SEQUENCES_PER_REQUEST}", param="n")
-        messages = []
-        for m in req.messages:
-            msg = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                if any(part.type != "text" for part in m.content):
-                    raise ApiError(400, "only text content parts are supported", param="messages")
-                msg["content"] = "\n".join(part.text or "" for part in m.content)  # as vLLM joins text parts
-            messages.append(msg)
-        kwargs = dict(req.chat_template_kwargs or {})
-        if "chat_template" in kwargs:
-            # A client's own template would run in this process: one of nested loops never ends.
-            raise ApiError(400, "chat_template_kwargs may not set chat_template: the model's template is used",
-                           param="chat_template_kwargs")
-        if req.continue_final_message:
-            kwargs["continue_final_message"] = True
         try:
-            add_prompt = req.add_generation_prompt and not req.continue_final_message
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_prompt,
-                                                      **kwargs)
-        except Exception as e:  # noqa: BLE001 - jinja and transformers raise many kinds for bad input
-            raise ApiError(400, f"could not apply the chat template: {e}", param="messages") from None
+            text = render_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in req.messages],
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               chat_template_kwargs=req.chat_template_kwargs)
+        except ValueError as e:
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise ApiError(400, str(e), param=param) from None
         ids = self._tokenize(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         self._check_prompt(ids, max_tokens, "messages")

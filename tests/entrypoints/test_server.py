@@ -179,6 +179,38 @@ def test_chat_streamed_and_not(client, offline):
     texts, reasons, _ = stream_text(events)
     assert texts[0] == ref.text and reasons[0] == r.choices[0].finish_reason
     assert events[-1].usage.total_tokens == r.usage.total_tokens
+    # the offline LLM.chat renders the same prompt and so gives the same greedy reply
+    [out] = offline.llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+    assert out.prompt_token_ids == ids and out.outputs[0].text == r.choices[0].message.content
+
+
+def test_offline_chat_batches_conversations_and_refuses_bad_ones(offline):
+    llm, params = offline.llm, SamplingParams(temperature=0.0, max_tokens=4)
+    tok = llm.get_tokenizer()
+    convs = [[{"role": "user", "content": "Hi"}],
+             [{"role": "user", "content": [{"type": "text", "text": "Tell"}, {"type": "text", "text": "me"}]}],
+             [{"role": "user", "content": "Say"}, {"role": "assistant", "content": "Once upon"}]]
+    outs = llm.chat(convs[:2], params, use_tqdm=False)
+    cont = llm.chat(convs[2], params, use_tqdm=False, continue_final_message=True)[0]
+    for conv, out in zip(convs, outs + [cont]):
+        flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else "Tell\nme"} for m in conv]
+        if conv is convs[2]:  # the last message left open: no end-of-turn after it, no assistant header
+            text = tok.apply_chat_template(flat, tokenize=False, continue_final_message=True)
+            assert text.endswith("Once upon")
+        else:
+            text = tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert out.prompt == text and out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == offline(ids, 4).token_ids
+    engine = llm.llm_engine
+    for bad, match in [([{"content": "no role"}], "role"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text content"),
+                       ([], "conversation")]:
+        with pytest.raises(ValueError, match=match):
+            llm.chat([convs[0], bad] if bad else bad, params, use_tqdm=False)
+        assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="chat_template"):
+        llm.chat(convs[0], params, chat_template_kwargs={"chat_template": "{{ 1 }}"})
 
 
 def test_n_and_seeds(client):

@@ -1,0 +1,59 @@
+"""Chat conversations to prompt text, with the model's own chat template.
+
+One function shared by `LLM.chat` and the server's /v1/chat/completions, so that a conversation
+becomes the same prompt tokens offline and online (as in vLLM: the template's text, tokenized
+without adding special tokens again, since the template writes its own).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def render_chat(
+    tokenizer,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of a conversation under the tokenizer's chat template.
+
+    messages: [{"role": ..., "content": str | [{"type": "text", "text": ...}, ...] | None, ...}];
+    text content parts are joined with newlines; other keys go to the template unchanged.
+    add_generation_prompt: end with the assistant's turn header (ignored when
+    continue_final_message, which leaves the last message open for the model to continue).
+    chat_template_kwargs: extra template variables; it may not replace the template itself.
+
+    Raises ValueError naming the problem: no tokenizer, no chat template, a message that is not a
+    dict with a role, a non-text content part, a `chat_template` override, or an error the
+    template itself raises (an unknown role, for instance).
+    """
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer (this engine runs with skip_tokenizer_init=True)")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template: send plain prompts instead")
+    kwargs = dict(chat_template_kwargs or {})
+    if "chat_template" in kwargs:
+        # a caller's own template would run in this process: one of nested loops never ends
+        raise ValueError("chat_template_kwargs may not set chat_template: the model's template is used")
+    rendered = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a 'role' string, got {m!r:.80}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = [p if isinstance(p, dict) else {"type": None} for p in content]
+            if any(p.get("type") != "text" for p in parts):
+                raise ValueError(f"message {i}: only text content parts are supported")
+            m = {**m, "content": "\n".join(p.get("text") or "" for p in parts)}  # as vLLM joins text parts
+        rendered.append(m)
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+    try:
+        return tokenizer.apply_chat_template(rendered, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                             **kwargs)
+    except Exception as e:  # noqa: BLE001 - jinja and transformers raise many kinds for bad input
+        raise ValueError(f"could not apply the chat template: {e}") from None
