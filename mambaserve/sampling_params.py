@@ -61,6 +61,10 @@ class SamplingParams:
     prompt_logprobs: if not None, return each prompt token's logprob and this many top ones.
     skip_special_tokens: leave special tokens out of the detokenized text.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
+    logit_bias: {token id: bias} added to the raw logits before penalties and sampling (OpenAI's
+        logit_bias; each bias in [-100, 100]: -100 in effect bans a token, 100 forces it).
+    allowed_token_ids: if not None, only these token ids can be generated (the rest get -inf).
+    Their token ids must be in the model's vocabulary: the engine refuses the request otherwise.
     """
 
     n: int = 1
@@ -81,6 +85,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -90,7 +96,15 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r:.80}")
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not hasattr(self.allowed_token_ids, "__iter__"):
+                raise ValueError(f"SamplingParams.allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r:.80}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
+        if self.logit_bias:
+            self.logit_bias = {t: float(b) for t, b in self.logit_bias.items()}
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             setattr(self, name, float(getattr(self, name)))
@@ -138,6 +152,21 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise bad(name, "must be an integer >= 0 or None")
+        for t, b in (self.logit_bias or {}).items():
+            if not _is_int(t) or t < 0:
+                raise ValueError(f"SamplingParams.logit_bias keys must be token ids (integers >= 0), got {t!r}")
+            if not _is_number(b) or not -100.0 <= b <= 100.0:
+                raise ValueError(f"SamplingParams.logit_bias[{t}] must be a number in [-100, 100], got {b!r}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must not be empty (None = every token allowed)")
+            if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be a list of non-negative integers")
+
+    def biased_token_ids(self) -> list[int]:
+        """The token ids of logit_bias and allowed_token_ids, for the engine's vocabulary check
+        (a stop token id outside the vocabulary is harmless: it is never generated)."""
+        return [*(self.logit_bias or {}), *(self.allowed_token_ids or [])]
 
     @property
     def is_greedy(self) -> bool:

@@ -2,7 +2,8 @@
 
 The pipeline, per row, in order (vLLM semantics):
 1. min_tokens: EOS and the request's stop_token_ids get -inf while fewer than min_tokens
-   tokens have been generated.
+   tokens have been generated; then allowed_token_ids (-inf on every other token) and
+   logit_bias (added).
 2. Penalties: repetition (HF style, over prompt + output tokens), then frequency and presence
    (OpenAI style, over output tokens).
 3. Greedy rows (temperature 0) take the argmax here; nothing below changes them.
@@ -102,6 +103,8 @@ class Sampler:
         logits = logits.float()
 
         logits = self._mask_min_tokens(logits, seqs)
+        if any(p.logit_bias or p.allowed_token_ids is not None for p in params):
+            logits = apply_token_constraints(logits, params)
         if any(p.has_penalties for p in params):
             logits = apply_penalties(logits, seqs)
 
@@ -174,6 +177,31 @@ class Sampler:
         q.clamp_min_(torch.finfo(q.dtype).tiny)
         sampled = (probs / q).argmax(dim=-1)  # (batch,)
         return torch.where(greedy_mask, argmax, sampled)
+
+
+def apply_token_constraints(logits: torch.Tensor, params: list) -> torch.Tensor:
+    """allowed_token_ids (every other token gets -inf), then logit_bias (added), per row of the
+    (batch, vocab) logits; returns a new tensor. Token ids are in the vocabulary (the engine
+    checked them when the request was added)."""
+    vocab, device = logits.shape[1], logits.device
+    logits = logits.clone()
+    allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if allowed_rows:
+        banned = torch.ones(len(allowed_rows), vocab, dtype=torch.bool)
+        for j, i in enumerate(allowed_rows):
+            banned[j, params[i].allowed_token_ids] = False
+        if device.type == "cuda":
+            banned = banned.pin_memory()
+        index = _to_device(allowed_rows, device)
+        logits[index] = logits[index].masked_fill(banned.to(device, non_blocking=True), float("-inf"))
+    rows, cols, bias = [], [], []
+    for i, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            rows.append(i), cols.append(t), bias.append(b)
+    if rows:
+        logits.index_put_((_to_device(rows, device), _to_device(cols, device)),
+                          _to_device(bias, device, torch.float32), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -147,8 +147,12 @@ class OpenAIServing:
     @staticmethod
     def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
+        logit_bias = None
         if req.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+            try:
+                logit_bias = {int(t): b for t, b in req.logit_bias.items()}
+            except ValueError:
+                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -158,7 +162,8 @@ class OpenAIServing:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output,
+                include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=logit_bias,
+                allowed_token_ids=req.allowed_token_ids,
             )
         except ValueError as e:
             m = re.search(r"SamplingParams\.(\w+)", str(e))

@@ -19,6 +19,7 @@ MAX_LOGPROBS = 20
 # More completions per prompt than this is far more likely a mistake (or abuse) than a use.
 MAX_N = 128
 MAX_STOPS = 64
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
 
 TokenIds = list[StrictInt]
 
@@ -89,7 +90,9 @@ class SamplingRequest(_Request):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's {token id as a string: bias in [-100, 100]}; vLLM's allowed_token_ids
+    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -8,6 +8,7 @@ import torch
 from mambaserve.engine.sampler import (
     Sampler,
     apply_penalties,
+    apply_token_constraints,
     apply_top_k_top_p,
     prompt_logprobs,
 )
@@ -257,3 +258,43 @@ def test_empty_batch_and_half_precision_logits():
     seqs = [make_seq(temperature=0.0, logprobs=1, rid=str(i)) for i in range(3)]
     out = Sampler(None)(logits, seqs)
     assert out.token_ids == logits.float().argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_and_allowed_token_ids(device):
+    logits = torch.randn(4, 37, device=device)
+    params = [SamplingParams(logit_bias={3: 2.5, 30: -100.0}), SamplingParams(),
+              SamplingParams(allowed_token_ids=[5, 9, 36], logit_bias={9: -1.5}), SamplingParams(allowed_token_ids=[0])]
+    got = apply_token_constraints(logits, params).cpu().double()
+    want = logits.cpu().double().clone()
+    want[0, 3] += 2.5
+    want[0, 30] -= 100.0
+    keep = torch.zeros(37, dtype=torch.bool)
+    keep[[5, 9, 36]] = True
+    want[2] = torch.where(keep, want[2], float("-inf"))
+    want[2, 9] -= 1.5
+    want[3, 1:] = float("-inf")
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # in the sampler: +100 forces a token even when greedy, -100 bans the argmax; logprobs stay raw
+    argmax = logits.argmax(-1).tolist()
+    seqs = [make_seq(rid="a", temperature=0.0, logit_bias={(argmax[0] + 1) % 37: 100.0}, logprobs=0),
+            make_seq(rid="b", temperature=0.0, logit_bias={argmax[1]: -100.0}),
+            make_seq(rid="c", temperature=1.0, seed=4, allowed_token_ids=[5, 9, 36])]
+    out = Sampler(None)(logits[:3], seqs)
+    assert out.token_ids[0] == (argmax[0] + 1) % 37
+    assert out.token_ids[1] == logits[1].clone().index_fill_(0, torch.tensor(argmax[1], device=device), -1e9).argmax()
+    assert out.token_ids[2] in (5, 9, 36)
+    raw = torch.log_softmax(logits[0].double(), -1)[out.token_ids[0]].item()
+    assert out.logprobs[0][out.token_ids[0]].logprob == pytest.approx(raw, abs=1e-5)
+
+
+def test_allowed_token_ids_sample_the_renormalised_softmax():
+    n = 3000
+    logits = PROBS.log().expand(n, -1).contiguous()
+    allowed = [0, 2, 4]
+    seqs = [make_seq(rid=str(i), allowed_token_ids=allowed, logit_bias={2: math.log(2.0)}) for i in range(n)]
+    tokens = Sampler(None)(logits, seqs).token_ids
+    target = torch.zeros_like(PROBS)
+    target[allowed] = PROBS[allowed]
+    target[2] *= 2.0
+    assert chi_square(tokens, target / target.sum()) < CHI2_LIMIT

@@ -57,6 +57,14 @@ def test_normalisation():
         (dict(min_tokens=5, max_tokens=4), "min_tokens"),
         (dict(logprobs=-1), "logprobs"),
         (dict(prompt_logprobs=-1), "prompt_logprobs"),
+        (dict(logit_bias=[1, 2]), "logit_bias"),
+        (dict(logit_bias={"7": 1.0}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={3: 100.5}), "logit_bias"),
+        (dict(logit_bias={3: float("nan")}), "logit_bias"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids"),
+        (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+        (dict(allowed_token_ids="12"), "allowed_token_ids"),
     ],
 )
 def test_nonsense_raises_value_error_naming_the_field(kwargs, field):

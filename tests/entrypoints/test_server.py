@@ -84,7 +84,7 @@ def offline():
     cache = {}
 
     def greedy(prompt, max_tokens: int, **kw):
-        key = (json.dumps(prompt), max_tokens, tuple(sorted(kw.items())))
+        key = (json.dumps(prompt), max_tokens, repr(sorted(kw.items())))
         if key not in cache:
             p = {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt
             out = llm.generate(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw), use_tqdm=False)[0]
@@ -182,6 +182,22 @@ def test_chat_streamed_and_not(client, offline):
     # the offline LLM.chat renders the same prompt and so gives the same greedy reply
     [out] = offline.llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     assert out.prompt_token_ids == ids and out.outputs[0].text == r.choices[0].message.content
+
+
+def test_logit_bias_and_allowed_token_ids(client, offline):
+    """OpenAI's logit_bias (token ids as strings) and vLLM's allowed_token_ids, as offline."""
+    ids = offline.llm.get_tokenizer()("The quick brown fox", add_special_tokens=False)["input_ids"]
+    base = offline(ids, 6)
+    forced = (base.token_ids[0] + 1) % 100 + 5
+    kw = dict(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    r = client.completions.create(**kw, logit_bias={str(forced): 100, str(base.token_ids[1]): -100},
+                                  extra_body={"ignore_eos": True})
+    ref = offline(ids, 6, logit_bias={forced: 100.0, base.token_ids[1]: -100.0}, ignore_eos=True)
+    assert ref.token_ids == [forced] * 6 and r.choices[0].text == ref.text
+    allowed = sorted(set(base.token_ids[2:]) | {7, 11})
+    r = client.completions.create(**kw, extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    ref = offline(ids, 6, allowed_token_ids=allowed, ignore_eos=True)
+    assert set(ref.token_ids) <= set(allowed) and r.choices[0].text == ref.text
 
 
 def test_offline_chat_batches_conversations_and_refuses_bad_ones(offline):
@@ -309,6 +325,9 @@ def test_errors(base_url, client):
         {"prompt": [[1, 2], []]}, {"prompt": [10**9]}, {"prompt": [-1]}, {"prompt": [True]}, {},
         {"prompt": "x", "stop": [""]}, {"prompt": "x", "presence_penalty": 3}, {"prompt": "x", "suffix": "y"},
         {"prompt": "x", "max_tokens": 4096}, {"prompt": "x", "seed": 2**64}, [1, 2],
+        {"prompt": "x", "logit_bias": {"abc": 1}}, {"prompt": "x", "logit_bias": {"5": 101}},
+        {"prompt": "x", "logit_bias": {str(10**9): 1}}, {"prompt": "x", "allowed_token_ids": []},
+        {"prompt": "x", "allowed_token_ids": [10**9]},
     ]
     for body in bad_bodies:
         _error(httpx.post(url, json=body, headers=AUTH), 400)
