@@ -29,8 +29,9 @@ from mambaserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, Ch
                                              ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
                                              ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                              CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                             DeltaMessage, ErrorInfo, ErrorResponse, TopLogprob, UsageInfo,
-                                             SamplingRequest)
+                                             DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
+                                             ErrorResponse, SamplingRequest, TokenizeRequest, TokenizeResponse,
+                                             TopLogprob, UsageInfo)
 from mambaserve.outputs import CompletionOutput, RequestOutput
 from mambaserve.sampling_params import Logprob, SamplingParams
 
@@ -115,6 +116,31 @@ class OpenAIServing:
         """`prepare_completion` or `prepare_chat` of `req`, in the tokenizing thread."""
         fn = self.prepare_chat if isinstance(req, ChatCompletionRequest) else self.prepare_completion
         return await asyncio.get_running_loop().run_in_executor(self._prepare_thread, fn, req)
+
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        """POST /tokenize: the token ids a prompt (or chat messages, rendered as /v1/chat/completions
+        renders them) would be sent to the model as. Raises ApiError (400, 404)."""
+        def work():
+            self.check_model(req.model)
+            if req.messages is None:
+                ids = self._tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
+            else:
+                ids = self._tokenize(self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                                  req.chat_template_kwargs), add_special_tokens=False)
+            return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_thread, work)
+
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        """POST /detokenize: the text of token ids. Raises ApiError (400 for ids outside the
+        vocabulary or no tokenizer, 404)."""
+        def work():
+            self.check_model(req.model)
+            if self.tokenizer is None:
+                raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init)")
+            if any(t < 0 or t >= self.engine.vocab_size for t in req.tokens):
+                raise ApiError(400, f"token ids must be in [0, {self.engine.vocab_size})", param="tokens")
+            return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_thread, work)
 
     def close(self) -> None:
         self._prepare_thread.shutdown(wait=False, cancel_futures=True)
@@ -208,20 +234,11 @@ class OpenAIServing:
         self.check_model(req.model)
         if self.tokenizer is None:
             raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init)")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if req.n > MAX_SEQUENCES_PER_REQUEST:
             raise ApiError(400, f"n must be <= {MAX_SEQUENCES_PER_REQUEST}", param="n")
-        try:
-            text = render_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in req.messages],
-                               add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message,
-                               chat_template_kwargs=req.chat_template_kwargs)
-        except ValueError as e:
-            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
-            raise ApiError(400, str(e), param=param) from None
+        text = self._render(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
         ids = self._tokenize(text, add_special_tokens=False)
         max_tokens = req.max_completion_tokens or req.max_tokens
         self._check_prompt(ids, max_tokens, "messages")
@@ -230,6 +247,22 @@ class OpenAIServing:
         return _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [(text, ids)], params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), num_top=num_top,
                     arrival=arrival)
+
+    def _render(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                chat_template_kwargs: dict | None) -> str:
+        """Chat messages (pydantic ChatMessage) to prompt text with the chat template. Raises ApiError."""
+        if self.tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init)")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            return render_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               chat_template_kwargs=chat_template_kwargs)
+        except ValueError as e:
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
+            raise ApiError(400, str(e), param=param) from None
 
     async def submit(self, job: _Job) -> RequestStream:
         """Queue a job's prompts in the engine. Raises ApiError (400, 503) if it refuses them."""

@@ -1,7 +1,7 @@
 """`mambaserve serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus). Streaming is server-sent events ending with `data: [DONE]`.
+GET /metrics (Prometheus), and vLLM's POST /tokenize, POST /detokenize, GET /version. Streaming is server-sent events ending with `data: [DONE]`.
 
 Every error is OpenAI's {"error": {"message", "type", "param", "code"}}: 400 for invalid
 parameters, malformed JSON or a prompt over the context length (checked before queueing),
@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import os
 import socket
@@ -32,11 +33,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mambaserve import __version__
 from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
 from mambaserve.entrypoints.async_engine import AsyncEngine
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
-from mambaserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from mambaserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                             ModelList, TokenizeRequest)
 
 logger = logging.getLogger("mambaserve.server")
 
@@ -238,6 +241,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                                            param="model", code="model_not_found"))
         card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
         return _json(200, card.model_dump_json())
+
+    @app.get("/version")
+    async def version():
+        return _json(200, json.dumps({"version": __version__}))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return _json(200, (await serving.tokenize(body)).model_dump_json())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return _json(200, (await serving.detokenize(body)).model_dump_json())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -200,6 +200,24 @@ def test_logit_bias_and_allowed_token_ids(client, offline):
     assert set(ref.token_ids) <= set(allowed) and r.choices[0].text == ref.text
 
 
+def test_tokenize_detokenize_version(base_url, client, offline):
+    tok = offline.llm.get_tokenizer()
+    r = httpx.post(f"{base_url}/tokenize", json={"prompt": "The quick brown fox"}).json()
+    assert r["tokens"] == tok("The quick brown fox")["input_ids"] and r["count"] == len(r["tokens"]) > 0
+    assert r["max_model_len"] == offline.llm.llm_engine.max_model_len
+    messages = [{"role": "user", "content": "Hello there"}]
+    r = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "messages": messages}).json()
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert r["count"] == chat.usage.prompt_tokens
+    assert httpx.post(f"{base_url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
+    assert httpx.get(f"{base_url}/version").json()["version"]
+    for path, body in [("tokenize", {}), ("tokenize", {"prompt": "x", "messages": messages}),
+                       ("tokenize", {"messages": [{"content": "no role"}]}), ("detokenize", {"tokens": [10**9]}),
+                       ("detokenize", {"tokens": "abc"})]:
+        _error(httpx.post(f"{base_url}/{path}", json=body), 400)
+    _error(httpx.post(f"{base_url}/tokenize", json={"model": "nope", "prompt": "x"}), 404)
+
+
 def test_offline_chat_batches_conversations_and_refuses_bad_ones(offline):
     llm, params = offline.llm, SamplingParams(temperature=0.0, max_tokens=4)
     tok = llm.get_tokenizer()
