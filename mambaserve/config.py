@@ -37,6 +37,11 @@ class EngineConfig:
     per-token work; a sequence that stops on a token costs one dropped step.
     compilation_mode: "eager", "piecewise" or "full_and_piecewise" (GPU default);
     enforce_eager=True forces "eager". cuda_graph_sizes: decode batch sizes to capture.
+
+    vLLM options taken so that a vLLM call or command line moves over unchanged, at the values
+    this engine implements (other values raise ValueError saying so): tensor_parallel_size 1
+    (one device), kv_cache_dtype "auto" (the model dtype), quantization None,
+    enable_prefix_caching False; trust_remote_code is passed to the tokenizer's loading.
     """
 
     model: str = field(default_factory=default_model)
@@ -61,6 +66,11 @@ class EngineConfig:
     async_scheduling: bool = True
     skip_tokenizer_init: bool = False
     max_queue_len: int | None = None
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    enable_prefix_caching: bool | None = None
 
     def __post_init__(self):
         self.model = os.fspath(self.model)
@@ -88,6 +98,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if self.cuda_graph_sizes is not None and any(int(s) < 1 for s in self.cuda_graph_sizes):
             raise ValueError("cuda_graph_sizes must be positive")
+        unsupported = {
+            "tensor_parallel_size": (self.tensor_parallel_size != 1, "mambaserve runs a model on one device"),
+            "kv_cache_dtype": (self.kv_cache_dtype != "auto", "the KV cache is kept in the model dtype"),
+            "quantization": (self.quantization is not None, "quantized checkpoints are not supported yet"),
+            "enable_prefix_caching": (bool(self.enable_prefix_caching),
+                                      "prefix caching is not implemented (a hybrid model would need its SSM states at block boundaries)"),
+        }
+        for name, (bad, why) in unsupported.items():
+            if bad:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported: {why}")
 
     def resolved_device(self) -> str:
         import torch

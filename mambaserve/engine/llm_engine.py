@@ -74,7 +74,8 @@ class LLMEngine:
             from transformers import AutoTokenizer
 
             try:
-                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model,
+                                                               trust_remote_code=config.trust_remote_code)
             except Exception as e:  # noqa: BLE001 - transformers raises many kinds
                 raise ValueError(f"could not load a tokenizer from {config.tokenizer or config.model!r} "
                                  f"(use skip_tokenizer_init=True for token ids only): {e}") from e
