@@ -1,12 +1,14 @@
 """Allocation of the cache tensors a model declares in its `CacheSpec`.
 
 conv_states: (num_slots, width - 1, conv_dim) in the model dtype, contiguous along conv_dim;
-ssm_states: (num_slots, nheads, headdim, dstate) in `ssm_dtype` (float32 by default);
+ssm_states: (num_slots, nheads, headdim, dstate) (Mamba-1: (num_slots, d_inner, dstate)) in
+`ssm_dtype`;
 k_cache / v_cache: (num_blocks, block_size, num_kv_heads, head_dim) in the model dtype.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,7 @@ def bytes_per_slot(spec: CacheSpec, dtype: torch.dtype, ssm_dtype: torch.dtype) 
     total = 0
     for s in spec.mamba:
         total += s.conv_shape[0] * s.conv_shape[1] * dtype.itemsize
-        total += s.ssm_shape[0] * s.ssm_shape[1] * s.ssm_shape[2] * ssm_dtype.itemsize
+        total += math.prod(s.ssm_shape) * ssm_dtype.itemsize
     return total
 
 

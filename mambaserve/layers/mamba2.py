@@ -25,10 +25,11 @@ from mambaserve.layers.graph_split import split_op
 
 @dataclass(frozen=True)
 class MambaStateShape:
-    """Per-request state of one Mamba layer: conv (width - 1, conv_dim), SSM (nheads, headdim, dstate)."""
+    """Per-request state of one Mamba layer: conv (width - 1, conv_dim), SSM (nheads, headdim,
+    dstate) for Mamba2, (d_inner, dstate) for Mamba-1."""
 
     conv_shape: tuple[int, int]
-    ssm_shape: tuple[int, int, int]
+    ssm_shape: tuple[int, ...]
 
 
 class _Conv1dWeights(nn.Module):

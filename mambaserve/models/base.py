@@ -138,15 +138,16 @@ class HybridForCausalLM(nn.Module):
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights of a realistic scale, for benchmarks without a checkpoint.
 
-        Matrices and embeddings ~ N(0, initializer_range); norms 1; Mamba A = -(1..nheads),
+        Matrices and embeddings ~ N(0, initializer_range); norms 1; Mamba A = -(1..nheads)
+        (Mamba-1: -(1..d_state) for every channel, S4D-real),
         D = 1, dt_bias = softplus^-1 of dt log-uniform in [1e-3, 1e-1] (Mamba2's initialisation).
         """
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = float(getattr(self.config, "initializer_range", 0.02))
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
-            if leaf == "A_log":
-                p.copy_(torch.log(torch.arange(1, p.numel() + 1, dtype=torch.float32)))
+            if leaf == "A_log":  # (nheads,) in Mamba2, (d_inner, d_state) in Mamba-1: 1..last dim per row
+                p.copy_(torch.log(torch.arange(1, p.shape[-1] + 1, dtype=torch.float32)).expand_as(p))
             elif leaf == "D":
                 p.fill_(1.0)
             elif leaf == "dt_bias":
