@@ -94,6 +94,14 @@ def _check_batch(query_start_loc, state_indices, has_initial_state=None):
                lambda: f"has_initial_state must be ({batch},), got {tuple(has_initial_state.shape)}")
 
 
+def _check_conv_states(conv_states, width, dim):
+    _check(conv_states.dim() == 3 and conv_states.shape[1:] == (width - 1, dim),
+           lambda: f"conv_states must be (num_slots, {width - 1}, {dim}), got {tuple(conv_states.shape)}")
+    # the kernels load and store whole state rows along dim (both backends take the same layout)
+    _check(conv_states.stride(2) == 1 or dim <= 1,
+           lambda: f"conv_states must be contiguous along dim (stride 1), got strides {conv_states.stride()}")
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -114,15 +122,15 @@ def causal_conv1d(
     has_initial_state: (batch,) bool. Returns (num_tokens, dim) in x.dtype.
     Sequence i is convolved as if preceded by conv_states[state_indices[i]] (zeros when it has
     no initial state); that slot then holds the last width - 1 inputs of the concatenation.
-    Math: `reference.causal_conv1d`. Raises ValueError on inconsistent shapes.
+    Math: `reference.causal_conv1d`. Raises ValueError on inconsistent shapes, conv_states
+    not contiguous along dim, or query_start_loc that decreases or ends past x's rows.
     """
     _check(x.dim() == 2 and x.stride(1) == 1, lambda: f"x must be (num_tokens, dim) with stride 1 on dim, got {tuple(x.shape)} strides {x.stride()}")
     dim = x.shape[1]
     _check(weight.dim() == 2 and weight.shape[0] == dim, lambda: f"weight must be ({dim}, width), got {tuple(weight.shape)}")
     width = weight.shape[1]
     _check(bias is None or bias.shape == (dim,), lambda: f"bias must be ({dim},)")
-    _check(conv_states.dim() == 3 and conv_states.shape[1:] == (width - 1, dim),
-           lambda: f"conv_states must be (num_slots, {width - 1}, {dim}), got {tuple(conv_states.shape)}")
+    _check_conv_states(conv_states, width, dim)
     _check(activation in (None, "silu", "swish"), lambda: f"unsupported activation {activation!r}")
     _check_batch(query_start_loc, state_indices, has_initial_state)
     if _use_triton(x):
@@ -146,13 +154,14 @@ def causal_conv1d_update(
 
     x: (batch, dim), feature stride 1; conv_states: (num_slots, width - 1, dim) updated in place;
     weight: (dim, width); bias: (dim,) or None; state_indices: (batch,), -1 = padding.
-    Returns (batch, dim) in x.dtype. Raises ValueError on inconsistent shapes.
+    Returns (batch, dim) in x.dtype. Raises ValueError on inconsistent shapes or conv_states
+    not contiguous along dim.
     """
     _check(x.dim() == 2 and x.stride(1) == 1, lambda: f"x must be (batch, dim) with stride 1 on dim, got {tuple(x.shape)}")
     dim = x.shape[1]
     _check(weight.dim() == 2 and weight.shape[0] == dim, lambda: f"weight must be ({dim}, width)")
-    _check(conv_states.dim() == 3 and conv_states.shape[1:] == (weight.shape[1] - 1, dim),
-           lambda: f"conv_states must be (num_slots, {weight.shape[1] - 1}, {dim}), got {tuple(conv_states.shape)}")
+    _check(bias is None or bias.shape == (dim,), lambda: f"bias must be ({dim},), got {tuple(bias.shape)}")
+    _check_conv_states(conv_states, weight.shape[1], dim)
     _check(state_indices.shape == (x.shape[0],), "state_indices must be (batch,)")
     _check(activation in (None, "silu", "swish"), lambda: f"unsupported activation {activation!r}")
     if _use_triton(x):
@@ -268,9 +277,11 @@ def rms_norm_gated(
 
     x, z: (num_tokens, hidden) (z may be None); weight: (hidden,). norm_before_gate=False
     computes weight * rmsnorm_g(x * silu(z)). Returns (num_tokens, hidden) in x.dtype.
-    Raises ValueError when hidden is not a multiple of group_size or shapes disagree.
+    Raises ValueError when group_size is not a positive int, hidden is not a multiple of it, or
+    shapes disagree.
     """
     _check(x.dim() == 2, lambda: f"x must be (num_tokens, hidden), got {tuple(x.shape)}")
+    _check(isinstance(group_size, int) and group_size > 0, lambda: f"group_size must be a positive int, got {group_size!r}")
     _check(x.shape[1] % group_size == 0, lambda: f"hidden ({x.shape[1]}) must be a multiple of group_size ({group_size})")
     _check(weight.shape == (x.shape[1],), "weight must be (hidden,)")
     _check(z is None or z.shape == x.shape, "z must have the shape of x")
@@ -407,15 +418,18 @@ def fused_moe(
     (num_tokens, top_k); topk_ids: (num_tokens, top_k) int. add: optional (num_tokens,
     hidden) tensor added before the result is rounded (a shared expert's output).
     Returns (num_tokens, hidden); with as_partials, (num_parts, num_tokens, hidden) terms that
-    sum to it, for `fused_add_rms_norm` to add (the decode path then skips its combine). Math: `reference.fused_moe`. Raises ValueError on
-    inconsistent shapes.
+    sum to it, for `fused_add_rms_norm` to add (the decode path then skips its combine).
+    Math: `reference.fused_moe`. Raises ValueError on inconsistent shapes or non-integer
+    topk_ids.
     """
     _check(hidden_states.dim() == 2, "hidden_states must be (num_tokens, hidden)")
     E, two_i, Hd = w1.shape
     _check(Hd == hidden_states.shape[1] and two_i % 2 == 0, lambda: f"w1 must be (E, 2 * inter, {hidden_states.shape[1]})")
     _check(w2.shape == (E, Hd, two_i // 2), lambda: f"w2 must be ({E}, {Hd}, {two_i // 2})")
-    _check(topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == hidden_states.shape[0],
+    _check(topk_ids.dim() == 2 and topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == hidden_states.shape[0],
            "topk_ids and topk_weights must be (num_tokens, top_k)")
+    _check(not topk_ids.dtype.is_floating_point and topk_ids.dtype != torch.bool,
+           lambda: f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     _check(add is None or add.shape == hidden_states.shape, "add must have hidden_states' shape")
     if _use_triton(hidden_states):
         from mambaserve.ops.moe import fused_moe_triton

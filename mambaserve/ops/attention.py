@@ -314,8 +314,8 @@ def _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, n
         host = torch.cat([query_start_loc.reshape(-1).to(torch.int64), seq_lens.to(torch.int64)]).tolist()
         qsl, lens = host[: batch + 1], host[batch + 1 :]
     q_lens = [qsl[i + 1] - qsl[i] for i in range(batch)]
-    if any(n < 0 for n in q_lens):
-        raise ValueError("query_start_loc must be non-decreasing")
+    if any(n < 0 for n in q_lens) or qsl[0] < 0:
+        raise ValueError("query_start_loc must be non-negative and non-decreasing")
     if any(n > s for n, s in zip(q_lens, lens)):
         raise ValueError("seq_lens must be at least each sequence's number of new tokens")
     max_blocks = max([-(-s // block_size) for n, s in zip(q_lens, lens) if n > 0], default=0)
@@ -374,7 +374,9 @@ def paged_attention_triton(
     left unwritten, as in the reference.
     Math: softmax(scale * q k^T) v with the causal mask, in float32 (Attention Is All You
     Need, section 3.2.1), online softmax as in FlashAttention-2; `reference.paged_attention`.
-    Raises ValueError on bad shapes, dtypes or strides.
+    Raises ValueError on bad shapes, dtypes or strides, on query_start_loc that decreases or
+    ends past q's rows, and on seq_lens shorter than a sequence's new tokens or longer than its
+    block table row covers.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError("q must be (num_tokens, num_heads, head_dim) and caches (num_blocks, block_size, num_kv_heads, head_dim)")
@@ -409,6 +411,8 @@ def paged_attention_triton(
         if metadata is not None:
             metadata[key] = plan
 
+    if plan.num_tokens > num_tokens:
+        raise ValueError(f"query_start_loc ends at {plan.num_tokens}, past the {num_tokens} rows of q")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.device != q.device:

@@ -138,7 +138,7 @@ def _causal_conv1d_update_kernel(
 
 
 def _check_states(conv_states: torch.Tensor) -> None:
-    if conv_states.stride(2) != 1:
+    if conv_states.stride(2) != 1 and conv_states.shape[2] > 1:
         raise ValueError("conv_states must be contiguous along dim (stride 1 on the last axis)")
 
 
@@ -160,7 +160,8 @@ def causal_conv1d_triton(
     contiguous along dim, updated in place; query_start_loc: (batch + 1,) int32;
     state_indices: (batch,) int32, -1 = padding; has_initial_state: (batch,) bool.
     metadata: the per-step dict (token blocks are cached in it); None computes them.
-    Returns (num_tokens, dim) in x.dtype. Semantics: `reference.causal_conv1d`.
+    Returns (num_tokens, dim) in x.dtype. Semantics: `reference.causal_conv1d`. Raises
+    ValueError when query_start_loc decreases, starts below 0 or ends past x's rows.
     """
     num_tokens, dim = x.shape
     width = weight.shape[1]
@@ -169,6 +170,8 @@ def causal_conv1d_triton(
     _check_states(conv_states)
     cfg = CONV_CONFIG
     blocks = conv_token_blocks(query_start_loc, cfg["block_t"], metadata)
+    if blocks.num_tokens > num_tokens:
+        raise ValueError(f"query_start_loc ends at {blocks.num_tokens}, past the {num_tokens} rows of x")
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     if blocks.num_blocks == 0 or dim == 0:
         return out

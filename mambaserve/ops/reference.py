@@ -33,9 +33,15 @@ def _activate(x: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"unsupported activation {activation!r}; expected 'silu' or None")
 
 
-def _sequences(query_start_loc: torch.Tensor):
-    """Yield (i, start, end) for every sequence of a packed batch (host sync: reference only)."""
+def _sequences(query_start_loc: torch.Tensor, num_rows: int | None = None):
+    """Yield (i, start, end) for every sequence of a packed batch (host sync: reference only).
+    Raises ValueError, as the kernels do, when the offsets start below 0, decrease or end past
+    num_rows (the rows of the packed input, when given)."""
     bounds = query_start_loc.tolist()
+    if bounds and (bounds[0] < 0 or any(b < a for a, b in zip(bounds, bounds[1:]))):
+        raise ValueError(f"query_start_loc must be non-negative and non-decreasing, got {bounds}")
+    if bounds and num_rows is not None and bounds[-1] > num_rows:
+        raise ValueError(f"query_start_loc ends at {bounds[-1]}, past the {num_rows} rows of the input")
     for i in range(len(bounds) - 1):
         yield i, bounds[i], bounds[i + 1]
 
@@ -64,7 +70,7 @@ def causal_conv1d(
     cdt = _compute_dtype(x)
     out = torch.empty_like(x)
     w = weight.to(cdt)
-    for i, start, end in _sequences(query_start_loc):
+    for i, start, end in _sequences(query_start_loc, x.shape[0]):
         slot = int(state_indices[i])
         if slot >= 0 and bool(has_initial_state[i]):
             prev = conv_states[slot].to(cdt)  # (width - 1, dim)
@@ -197,7 +203,7 @@ def mamba_chunk_scan(
     xc = x.to(cdt)
     Ac = A.to(cdt)
     y = torch.empty_like(xc)
-    for i, start, end in _sequences(query_start_loc):
+    for i, start, end in _sequences(query_start_loc, x.shape[0]):
         slot = int(state_indices[i])
         init = ssm_states[slot].to(cdt) if slot >= 0 and bool(has_initial_state[i]) else None
         if end == start:
@@ -366,12 +372,16 @@ def paged_attention(
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
-    for i, start, end in _sequences(query_start_loc):
+    for i, start, end in _sequences(query_start_loc, q.shape[0]):
         n_new = end - start
         if n_new == 0:
             continue
         seq_len = int(seq_lens[i])
         n_blocks = -(-seq_len // block_size)
+        if seq_len < n_new:
+            raise ValueError("seq_lens must be at least each sequence's number of new tokens")
+        if n_blocks > block_table.shape[1]:
+            raise ValueError(f"block_table has {block_table.shape[1]} columns, a sequence needs {n_blocks}")
         blocks = block_table[i, :n_blocks].long()
         k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[-1])[:seq_len].to(cdt)
         v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[-1])[:seq_len].to(cdt)

@@ -357,7 +357,9 @@ def mamba_chunk_scan_triton(
     metadata: the per-step dict (chunk boundaries are cached in it); None computes them.
     Returns y (num_tokens, nheads, headdim) in x.dtype. Float32 accumulation throughout; the
     matrix products take bfloat16/float16 operands when x is in that dtype (float32 x: exact
-    float32 products). Semantics: `reference.mamba_chunk_scan`.
+    float32 products). Semantics: `reference.mamba_chunk_scan`. Raises ValueError for x
+    not in float32/bfloat16/float16, or query_start_loc that decreases, starts below 0 or ends
+    past x's rows.
     """
     num_tokens, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
@@ -366,6 +368,8 @@ def mamba_chunk_scan_triton(
     if x.dtype not in _DOT_DTYPES:
         raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     chunks = ssd_chunks(query_start_loc, chunk_size, metadata)
+    if chunks.num_tokens > num_tokens:
+        raise ValueError(f"query_start_loc ends at {chunks.num_tokens}, past the {num_tokens} rows of x")
     nc = chunks.num_chunks
     # Matrix-product operands are rounded to x's dtype (float32 x: exact float32 products).
     # The Triton interpreter multiplies bfloat16 operands as raw integers, so on CPU tensors

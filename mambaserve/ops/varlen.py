@@ -36,18 +36,32 @@ def _cached(metadata: dict | None, key, query_start_loc: torch.Tensor, build):
     return value
 
 
+def check_offsets(qsl, num_rows: int | None = None) -> None:
+    """Raise ValueError unless the offsets qsl (batch + 1,) start at 0 or later, never decrease
+    and (num_rows given) end at num_rows or earlier: rows past the end are padding that belongs
+    to no sequence. Kernels index rows by these offsets; a bad one reads and writes out of
+    bounds."""
+    qsl = np.asarray(qsl, dtype=np.int64)
+    if qsl.size and (qsl[0] < 0 or (np.diff(qsl) < 0).any()):
+        raise ValueError(f"query_start_loc must be non-negative and non-decreasing, got {qsl.tolist()}")
+    if num_rows is not None and qsl.size and qsl[-1] > num_rows:
+        raise ValueError(f"query_start_loc ends at {int(qsl[-1])}, past the {num_rows} rows of the input")
+
+
 def query_start_loc_host(query_start_loc: torch.Tensor, metadata: dict | None) -> np.ndarray:
     """query_start_loc as an int64 numpy array (batch + 1,): the caller's host copy when the
     metadata holds one, else read from the device once per step. Raises ValueError when the
-    host copy does not match the batch size."""
+    host copy does not match the batch size or the offsets decrease or start below 0."""
     if metadata is not None and QSL_HOST_LIST in metadata:
         host = np.asarray(metadata[QSL_HOST_LIST], dtype=np.int64)
         if host.shape != (query_start_loc.numel(),):
             raise ValueError(f"metadata[{QSL_HOST_LIST!r}] has {host.size} offsets, the batch has "
                              f"{query_start_loc.numel()}")
-        return host
-    return _cached(metadata, QSL_HOST_KEY, query_start_loc,
-                   lambda: np.asarray(query_start_loc.tolist(), dtype=np.int64))
+    else:
+        host = _cached(metadata, QSL_HOST_KEY, query_start_loc,
+                       lambda: np.asarray(query_start_loc.tolist(), dtype=np.int64))
+    check_offsets(host)
+    return host
 
 
 def _to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
@@ -69,6 +83,7 @@ class TokenBlocks:
 
     block_t: int
     num_blocks: int
+    num_tokens: int  # query_start_loc[-1]: the input must have at least this many rows
     block_seq: torch.Tensor  # (num_blocks,) int32
     block_start: torch.Tensor  # (num_blocks,) int32, position inside the sequence
 
@@ -84,7 +99,7 @@ def conv_token_blocks(query_start_loc: torch.Tensor, block_t: int, metadata: dic
         first = np.cumsum(nblocks) - nblocks
         start = (np.arange(seq.size) - np.repeat(first, nblocks)) * block_t
         block_seq, block_start = _to_device([seq, start], query_start_loc.device)
-        return TokenBlocks(block_t, int(seq.size), block_seq, block_start)
+        return TokenBlocks(block_t, int(seq.size), int(qsl[-1]), block_seq, block_start)
 
     return _cached(metadata, ("conv1d_token_blocks", block_t), query_start_loc, build)
 
@@ -98,6 +113,7 @@ class SsdChunks:
 
     chunk_size: int
     num_chunks: int
+    num_tokens: int  # query_start_loc[-1]: the input must have at least this many rows
     chunk_start: torch.Tensor  # (num_chunks,) int32, token row
     chunk_end: torch.Tensor  # (num_chunks,) int32, token row (exclusive)
     seq_chunk: torch.Tensor  # (batch + 1,) int32
@@ -116,6 +132,6 @@ def ssd_chunks(query_start_loc: torch.Tensor, chunk_size: int, metadata: dict | 
         c_start = starts[seq] + k * chunk_size
         c_end = np.minimum(c_start + chunk_size, ends[seq])
         c_start_t, c_end_t, seq_chunk = _to_device([c_start, c_end, first], query_start_loc.device)
-        return SsdChunks(chunk_size, int(seq.size), c_start_t, c_end_t, seq_chunk)
+        return SsdChunks(chunk_size, int(seq.size), int(qsl[-1]), c_start_t, c_end_t, seq_chunk)
 
     return _cached(metadata, ("ssd_chunks", chunk_size), query_start_loc, build)

@@ -1,0 +1,122 @@
+"""Bad input to the op interface: a ValueError that names the problem, from both backends.
+
+The Triton kernels index rows by query_start_loc and read bias and state rows by the shapes
+they are given, so an unchecked bad argument reads or writes out of bounds (garbage, or a
+crash of the interpreter's process) instead of failing. Each case here runs the op on the
+reference and on the Triton backend (the interpreter on CPU tensors).
+"""
+
+import pytest
+import torch
+
+from mambaserve import ops
+from tests.ops.kernel_helpers import DEVICES
+
+BACKENDS = ["reference", "triton"]
+
+
+def _packed_conv(device, qsl):
+    T, dim, width = 5, 10, 4
+    x = torch.randn(T, dim, device=device)
+    w = torch.randn(dim, width, device=device)
+    states = torch.randn(3, width - 1, dim, device=device)
+    qsl = torch.tensor(qsl, dtype=torch.int32, device=device)
+    idx = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    has = torch.tensor([True, False], device=device)
+    return x, w, states, qsl, idx, has
+
+
+def _packed_scan(device, qsl):
+    T, H, P, G, N = 5, 2, 8, 1, 16
+    args = dict(x=torch.randn(T, H, P, device=device), dt=torch.randn(T, H, device=device),
+                A=-torch.rand(H, device=device), B=torch.randn(T, G, N, device=device),
+                C=torch.randn(T, G, N, device=device), chunk_size=4, D=None, z=None, dt_bias=None,
+                ssm_states=torch.randn(3, H, P, N, device=device),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+                state_indices=torch.tensor([0, 1], dtype=torch.int32, device=device),
+                has_initial_state=torch.tensor([True, False], device=device))
+    return args
+
+
+def _packed_attention(device, qsl):
+    T = 5
+    return dict(q=torch.randn(T, 4, 8, device=device), k_cache=torch.randn(4, 4, 2, 8, device=device),
+                v_cache=torch.randn(4, 4, 2, 8, device=device),
+                block_table=torch.tensor([[0, 1, 2], [3, 1, 0]], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([6, 8], dtype=torch.int32, device=device),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device), scale=0.5)
+
+
+# offsets past the input's 5 rows, decreasing, and starting below 0
+BAD_OFFSETS = [([0, 2, 9], "past the 5 rows"), ([0, 4, 2], "non-decreasing"), ([-1, 2, 5], "non-negative")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("qsl,match", BAD_OFFSETS)
+def test_varlen_ops_reject_bad_query_start_loc(device, backend, qsl, match):
+    x, w, states, qsl_t, idx, has = _packed_conv(device, qsl)
+    with ops.backend(backend):
+        with pytest.raises(ValueError, match=match):
+            ops.causal_conv1d(x, w, None, states, qsl_t, idx, has)
+        with pytest.raises(ValueError, match=match):
+            ops.mamba_chunk_scan(**_packed_scan(device, qsl))
+        with pytest.raises(ValueError, match=match):
+            ops.paged_attention(**_packed_attention(device, qsl))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_varlen_ops_take_padding_rows_past_the_last_sequence(device, backend):
+    """Rows past query_start_loc[-1] (a padded forward) are allowed: they belong to no sequence."""
+    x, w, states, qsl, idx, has = _packed_conv(device, [0, 1, 3])
+    with ops.backend(backend):
+        assert ops.causal_conv1d(x, w, None, states, qsl, idx, has).shape == x.shape
+        assert ops.mamba_chunk_scan(**_packed_scan(device, [0, 1, 3])).shape == (5, 2, 8)
+        assert ops.paged_attention(**_packed_attention(device, [0, 1, 3])).shape == (5, 4, 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_conv_ops_check_bias_and_state_layout(device, backend):
+    x, w, states, qsl, idx, has = _packed_conv(device, [0, 2, 5])
+    dim = x.shape[1]
+    transposed = torch.randn(3, dim, w.shape[1] - 1, device=device).transpose(1, 2)  # stride 3 along dim
+    with ops.backend(backend):
+        with pytest.raises(ValueError, match="bias"):  # the Triton update read past a short bias
+            ops.causal_conv1d_update(x[:2], states, w, torch.randn(dim + 3, device=device), idx)
+        with pytest.raises(ValueError, match="contiguous along dim"):
+            ops.causal_conv1d_update(x[:2], transposed, w, None, idx)
+        with pytest.raises(ValueError, match="contiguous along dim"):
+            ops.causal_conv1d(x, w, None, transposed, qsl, idx, has)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rms_norm_gated_checks_group_size(device, backend):
+    x, w = torch.randn(3, 10, device=device), torch.randn(10, device=device)
+    with ops.backend(backend):
+        for group_size in (0, -5, 2.5):
+            with pytest.raises(ValueError, match="group_size"):
+                ops.rms_norm_gated(x, w, None, 1e-5, group_size)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fused_moe_checks_ids_dtype(device, backend):
+    x = torch.randn(3, 8, device=device)
+    w1, w2 = torch.randn(4, 12, 8, device=device), torch.randn(4, 8, 6, device=device)
+    weights = torch.rand(3, 2, device=device)
+    with ops.backend(backend):
+        with pytest.raises(ValueError, match="integer"):
+            ops.fused_moe(x, w1, w2, weights, torch.randint(0, 4, (3, 2), device=device).float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_attention_reference_checks_lengths_as_the_kernel_does(device):
+    args = _packed_attention(device, [0, 2, 5])
+    with ops.backend("reference"):
+        with pytest.raises(ValueError, match="seq_lens"):
+            ops.paged_attention(**dict(args, seq_lens=torch.tensor([1, 4], dtype=torch.int32, device=device)))
+        with pytest.raises(ValueError, match="block_table"):
+            ops.paged_attention(**dict(args, seq_lens=torch.tensor([2, 13], dtype=torch.int32, device=device)))
