@@ -33,6 +33,8 @@ __all__ = [
     "causal_conv1d_update",
     "mamba_chunk_scan",
     "selective_state_update",
+    "selective_scan",
+    "selective_scan_update",
     "rms_norm_gated",
     "reshape_and_cache",
     "paged_attention",
@@ -263,6 +265,91 @@ def selective_state_update(
                                              state_indices, dt_softplus, dt_limit)
     return reference.selective_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias,
                                             state_indices, dt_softplus, dt_limit)
+
+
+def _check_selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states):
+    _check(x.dim() == 2, lambda: f"x must be (num_tokens, dim), got {tuple(x.shape)}")
+    T, dim = x.shape
+    _check(dt.shape == x.shape, lambda: f"dt must be ({T}, {dim}), got {tuple(dt.shape)}")
+    _check(A.dim() == 2 and A.shape[0] == dim, lambda: f"A must be ({dim}, dstate), got {tuple(A.shape)}")
+    N = A.shape[1]
+    _check(B.shape == (T, N) and C.shape == (T, N),
+           lambda: f"B and C must be ({T}, {N}), got {tuple(B.shape)} and {tuple(C.shape)}")
+    _check(D is None or D.shape == (dim,), lambda: f"D must be ({dim},), got {tuple(D.shape)}")
+    _check(dt_bias is None or dt_bias.shape == (dim,), lambda: f"dt_bias must be ({dim},), got {tuple(dt_bias.shape)}")
+    _check(z is None or z.shape == x.shape, lambda: f"z must be ({T}, {dim}), got {tuple(z.shape)}")
+    _check(ssm_states.dim() == 3 and ssm_states.shape[1:] == (dim, N),
+           lambda: f"ssm_states must be (num_slots, {dim}, {N}), got {tuple(ssm_states.shape)}")
+
+
+def selective_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_softplus: bool = True,
+) -> torch.Tensor:
+    """The Mamba-1 selective scan over variable-length packed sequences, with state pool I/O.
+
+    x: (num_tokens, dim); dt: (num_tokens, dim), before dt_bias and softplus; A: (dim, dstate)
+    float32 (one decay rate per channel and state); B, C: (num_tokens, dstate); D, dt_bias:
+    (dim,) or None; z: (num_tokens, dim) or None (y is multiplied by silu(z)); any strides.
+    ssm_states: (num_slots, dim, dstate), float32/bfloat16/float16, read as the initial state
+    where has_initial_state and overwritten with each sequence's final state;
+    query_start_loc (batch + 1,) int32, state_indices (batch,) int32 (-1 = padding),
+    has_initial_state (batch,) bool. Returns y (num_tokens, dim) in x.dtype.
+    Math (Mamba paper, Gu & Dao 2023, section 3, Algorithm 2): dt' = softplus(dt + dt_bias);
+    h_t = exp(dt'_t A) * h_{t-1} + (dt'_t x_t) B_t^T; y_t = h_t C_t + D x_t.
+    Raises ValueError on inconsistent shapes.
+    """
+    _check_selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+    _check_batch(query_start_loc, state_indices, has_initial_state)
+    if _use_triton(x):
+        from mambaserve.ops.mamba1_scan import selective_scan_triton
+
+        return selective_scan_triton(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
+                                     has_initial_state, dt_softplus)
+    return reference.selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
+                                    has_initial_state, dt_softplus)
+
+
+def selective_scan_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    dt_softplus: bool = True,
+) -> torch.Tensor:
+    """One Mamba-1 recurrence step per sequence (decode), in place on the state pool: the
+    per-channel-A counterpart of `selective_state_update`.
+
+    ssm_states: (num_slots, dim, dstate); x, dt: (batch, dim); A: (dim, dstate); B, C:
+    (batch, dstate); D, dt_bias: (dim,) or None; z: (batch, dim) or None; state_indices:
+    (batch,), -1 = padding (state untouched). Returns y (batch, dim). Math as in
+    `selective_scan`, one step; no host metadata (CUDA-graph safe). Raises ValueError on
+    inconsistent shapes.
+    """
+    _check_selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+    _check(state_indices.shape == (x.shape[0],), lambda: f"state_indices must be ({x.shape[0]},), got {tuple(state_indices.shape)}")
+    if _use_triton(x):
+        from mambaserve.ops.mamba1_scan import selective_scan_update_triton
+
+        return selective_scan_update_triton(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus)
+    return reference.selective_scan_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus)
 
 
 def rms_norm_gated(

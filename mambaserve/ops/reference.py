@@ -268,6 +268,77 @@ def selective_state_update(
     return y.to(x.dtype)
 
 
+def selective_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_softplus: bool = True,
+) -> torch.Tensor:
+    """Mamba-1 selective scan over a packed batch, from and into the SSM state pool.
+
+    Shapes: x, dt (num_tokens, dim); A (dim, dstate); B, C (num_tokens, dstate); D, dt_bias
+    (dim,) or None; z (num_tokens, dim) or None; ssm_states (num_slots, dim, dstate) updated in
+    place. Returns y (num_tokens, dim), x.dtype; rows past query_start_loc[-1] are unwritten.
+
+    Math (Mamba paper, Gu & Dao 2023, section 3, Algorithm 2; zero-order hold on A, Euler on
+    B): dt' = softplus(dt + dt_bias); h_t = exp(dt'_t A) * h_{t-1} + (dt'_t x_t) B_t (h: (dim,
+    dstate)); y_t = h_t C_t + D x_t; y *= silu(z). A token loop per sequence, in float32
+    (float64 for float64 x).
+    """
+    cdt = _compute_dtype(x)
+    dtp = _process_dt(dt, dt_bias, dt_softplus, (0.0, math.inf), cdt)  # (T, dim)
+    xc, Bc, Cc, Ac = x.to(cdt), B.to(cdt), C.to(cdt), A.to(cdt)
+    y = torch.empty_like(xc)
+    for i, start, end in _sequences(query_start_loc, x.shape[0]):
+        slot = int(state_indices[i])
+        if slot >= 0 and bool(has_initial_state[i]):
+            h = ssm_states[slot].to(cdt)  # (dim, dstate)
+        else:
+            h = xc.new_zeros(A.shape)
+        for t in range(start, end):
+            h = torch.exp(dtp[t][:, None] * Ac) * h + (dtp[t] * xc[t])[:, None] * Bc[t][None, :]
+            y[t] = h @ Cc[t]
+        if slot >= 0:
+            ssm_states[slot] = h.to(ssm_states.dtype)
+    if D is not None:
+        y = y + xc * D.to(cdt)
+    if z is not None:
+        y = y * F.silu(z.to(cdt))
+    return y.to(x.dtype)
+
+
+def selective_scan_update(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    dt_softplus: bool = True,
+) -> torch.Tensor:
+    """One Mamba-1 recurrence step per sequence (decode): `selective_scan` with every sequence
+    of length 1 and an initial state. ssm_states (num_slots, dim, dstate) updated in place;
+    x, dt, z (batch, dim); A (dim, dstate); B, C (batch, dstate); D, dt_bias (dim,) or None;
+    state_indices (batch,), -1 = padding. Returns y (batch, dim), x.dtype."""
+    batch = x.shape[0]
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=x.device)
+    has_init = torch.ones(batch, dtype=torch.bool, device=x.device)
+    return selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states, qsl, state_indices, has_init, dt_softplus)
+
+
 def rms_norm_gated(
     x: torch.Tensor,
     weight: torch.Tensor,

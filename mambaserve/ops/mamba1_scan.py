@@ -1,0 +1,172 @@
+"""Triton kernel for the Mamba-1 selective scan over a packed batch, with state pool I/O.
+
+Mamba-1 (Gu & Dao 2023, section 3, Algorithm 2) has one decay rate per (channel, state) pair,
+A: (dim, dstate), where Mamba2 has one scalar per head; its state is (dim, dstate) per sequence.
+There is no chunked (matrix) form to exploit, so the kernel is the recurrence itself: each
+program owns a (BLOCK_D, dstate) tile of one sequence's state, in float32 registers, and walks
+that sequence's tokens in order, emitting y for its channels at every step. The grid is
+(channel blocks, sequences): a mixed batch of prefills and one-token decodes is one launch, and
+a decode costs one step of each of its programs.
+
+`selective_scan_triton` takes the packed batch (query_start_loc, has_initial_state);
+`selective_scan_update_triton` is the same kernel for a decode-only batch (row b is sequence b,
+always with a state): no host metadata and no host sync, so it is safe inside CUDA graphs, and
+so is the varlen launcher (its loop bounds are read on the device).
+
+A state index of -1 marks padding: its rows are computed from a zero state and no slot is read
+or written. Math and semantics: `mambaserve.ops.reference.selective_scan`. This module knows
+nothing about models or the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mambaserve.ops.state_update import _softplus
+
+# Fixed launch config (never autotuned: the kernel writes live state in place). Channel blocks
+# are narrow so that a single long prompt still spreads over many programs (130M: 1,536
+# channels -> 48 programs per sequence).
+SCAN_CONFIG = {"block_d": 32, "num_warps": 2}
+
+
+@triton.jit
+def _selective_scan_kernel(
+    x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, state_ptr,
+    qsl_ptr, state_idx_ptr, has_init_ptr,
+    dim, dstate,
+    stride_x_t, stride_x_d, stride_dt_t, stride_dt_d, stride_A_d, stride_A_n,
+    stride_B_t, stride_B_n, stride_C_t, stride_C_n, stride_z_t, stride_z_d, stride_y_t, stride_y_d,
+    stride_s_slot, stride_s_d, stride_s_n,
+    VARLEN: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_d = tl.program_id(0)  # fastest: neighbouring programs read neighbouring channels
+    seq = tl.program_id(1)
+    if VARLEN:
+        start = tl.load(qsl_ptr + seq).to(tl.int64)
+        end = tl.load(qsl_ptr + seq + 1).to(tl.int64)
+        has_init = tl.load(has_init_ptr + seq).to(tl.int32)
+    else:  # decode: row `seq` is sequence `seq`, always continuing its state
+        start = seq.to(tl.int64)
+        end = start + 1
+        has_init = 1
+    slot = tl.load(state_idx_ptr + seq).to(tl.int64)
+
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    d_mask = d < dim
+    n_mask = n < dstate
+    tile_mask = d_mask[:, None] & n_mask[None, :]
+    A = tl.load(A_ptr + d[:, None] * stride_A_d + n[None, :] * stride_A_n, mask=tile_mask, other=0.0).to(tl.float32)
+    dt_bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_DT_BIAS:
+        dt_bias = tl.load(dt_bias_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    Dv = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+
+    # rows of the old state this program may read: none for padding or a fresh sequence (an
+    # integer bound, not a scalar boolean: some interpreter versions cannot mix those with tensors)
+    d_read = ((slot >= 0).to(tl.int32) * has_init) * dim
+    s_ptrs = state_ptr + slot * stride_s_slot + d[:, None] * stride_s_d + n[None, :] * stride_s_n
+    h = tl.load(s_ptrs, mask=(d < d_read)[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+
+    for t in range(start, end):
+        x = tl.load(x_ptr + t * stride_x_t + d * stride_x_d, mask=d_mask, other=0.0).to(tl.float32)
+        dt = tl.load(dt_ptr + t * stride_dt_t + d * stride_dt_d, mask=d_mask, other=0.0).to(tl.float32) + dt_bias
+        if DT_SOFTPLUS:
+            dt = _softplus(dt)
+        Bv = tl.load(B_ptr + t * stride_B_t + n * stride_B_n, mask=n_mask, other=0.0).to(tl.float32)
+        Cv = tl.load(C_ptr + t * stride_C_t + n * stride_C_n, mask=n_mask, other=0.0).to(tl.float32)
+        # h_t = exp(dt A) h_{t-1} + dt x_t B_t (zero-order hold on A, Euler on B: section 3.2)
+        h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv[None, :]
+        y = tl.sum(h * Cv[None, :], axis=1) + Dv * x
+        if HAS_Z:
+            z = tl.load(z_ptr + t * stride_z_t + d * stride_z_d, mask=d_mask, other=0.0).to(tl.float32)
+            y = y * z * tl.sigmoid(z)
+        tl.store(y_ptr + t * stride_y_t + d * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+
+    if slot >= 0:
+        # this program alone read these rows of the slot, before the loop: no barrier needed
+        tl.store(s_ptrs, h.to(state_ptr.dtype.element_ty), mask=tile_mask)
+
+
+def _launch(varlen, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
+            has_initial_state, dt_softplus, y):
+    dim, dstate = A.shape
+    batch = state_indices.shape[0]
+    if batch == 0 or dim == 0:
+        return y
+    cfg = SCAN_CONFIG
+    zz = z if z is not None else x
+    grid = (triton.cdiv(dim, cfg["block_d"]), batch)
+    _selective_scan_kernel[grid](
+        x, dt, A, B, C, D if D is not None else A, zz, dt_bias if dt_bias is not None else A, y, ssm_states,
+        query_start_loc if query_start_loc is not None else state_indices, state_indices,
+        has_initial_state if has_initial_state is not None else state_indices,
+        dim, dstate,
+        *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(),
+        *ssm_states.stride(),
+        VARLEN=varlen, HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=bool(dt_softplus), BLOCK_D=cfg["block_d"], BLOCK_N=max(16, triton.next_power_of_2(dstate)),
+        num_warps=cfg["num_warps"],
+    )
+    return y
+
+
+def selective_scan_triton(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    ssm_states: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_indices: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    dt_softplus: bool = True,
+) -> torch.Tensor:
+    """Mamba-1 selective scan over a packed prefill/decode batch, one launch.
+
+    x, dt: (num_tokens, dim), any strides; A: (dim, dstate) float32; B, C: (num_tokens, dstate),
+    any strides (column slices of x_proj's output); D, dt_bias: (dim,) or None; z: (num_tokens,
+    dim) or None; ssm_states: (num_slots, dim, dstate), float32/bfloat16/float16, read where
+    has_initial_state and overwritten with each sequence's final state (float32 arithmetic);
+    query_start_loc: (batch + 1,) int32; state_indices: (batch,) int32, -1 = padding;
+    has_initial_state: (batch,) bool. Returns y (num_tokens, dim) in x.dtype; rows past
+    query_start_loc[-1] are left unwritten. Semantics: `reference.selective_scan`.
+    """
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _launch(True, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
+                   has_initial_state, dt_softplus, y)
+
+
+def selective_scan_update_triton(
+    ssm_states: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    z: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    state_indices: torch.Tensor,
+    dt_softplus: bool = True,
+) -> torch.Tensor:
+    """One Mamba-1 recurrence step per sequence (decode), in place on the state pool.
+
+    ssm_states: (num_slots, dim, dstate); x, dt: (batch, dim); A: (dim, dstate) float32;
+    B, C: (batch, dstate); D, dt_bias: (dim,) or None; z: (batch, dim) or None; state_indices:
+    (batch,) int32, -1 = padding (y from a zero state, no slot touched). Any strides. Returns y
+    (batch, dim) in x.dtype. No host metadata and no host sync: safe to capture in a CUDA graph.
+    Semantics: `reference.selective_scan_update`.
+    """
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _launch(False, x, dt, A, B, C, D, z, dt_bias, ssm_states, None, state_indices, None, dt_softplus, y)
