@@ -6,6 +6,7 @@ import importlib
 
 # HF architecture name -> (module, class). Imported lazily so one broken family can't break the rest.
 _REGISTRY = {
+    "MambaForCausalLM": ("mambaserve.models.mamba", "MambaForCausalLM"),
     "Mamba2ForCausalLM": ("mambaserve.models.mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("mambaserve.models.bamba", "BambaForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("mambaserve.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),

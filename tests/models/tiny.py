@@ -50,6 +50,13 @@ CONFIGS = {
         n_groups=1, expand=2, chunk_size=8, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
         time_step_limit=(0.01, 0.5),
     ),
+    # Mamba-1: d_inner 72 (a partial channel block of the scan kernel), time_step_rank "auto"
+    # (3), tied embeddings, float32 residual stream; A_log perturbed per channel by _perturb
+    "mamba1": dict(
+        arch="Mamba", initializer_range=0.3, vocab_size=190, hidden_size=36, state_size=16, num_hidden_layers=2,
+        conv_kernel=4, expand=2, use_conv_bias=True, residual_in_fp32=True, tie_word_embeddings=True,
+        eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
     # Zamba2: two shared blocks over three hybrid depths, attention and MLP adapters, RoPE,
     # time_step_min high enough that transformers' lower dt clamp binds; tied embeddings
     "zamba2": dict(
@@ -137,6 +144,8 @@ def _perturb(model, seed):
             p.mul_(1 + 0.3 * torch.randn(p.shape, generator=g)).add_(0.05 * torch.randn(p.shape, generator=g))
         if name.endswith("dt_bias"):
             p.copy_(torch.randn(p.shape, generator=g) - 1.0)
+        if name.endswith("A_log") and p.dim() == 2:  # Mamba-1 inits every channel's rates alike
+            p.add_(0.5 * torch.randn(p.shape, generator=g))
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # zero at init; a buffer in transformers
             b.copy_(0.3 * torch.randn(b.shape, generator=g))

@@ -1,0 +1,115 @@
+"""The Mamba-1 mixer over a packed batch (Gu & Dao 2023, "Mamba", section 3, Algorithm 2).
+
+in_proj -> [x | z]; a depthwise causal conv1d (with bias) + SiLU over x, continuing from the
+conv state; x_proj -> [dt (low rank) | B | C]; dt = dt_proj(dt) (its bias and the softplus are
+applied inside the scan, in float32); the selective scan with A = -exp(A_log) of shape
+(d_inner, d_state) (one decay rate per channel and state, not one per head as in Mamba2), the
+D skip and the silu(z) gate; out_proj. No normalisation inside the mixer.
+
+A decode-only batch runs the one-step ops (conv update, scan update: no host metadata, safe in
+CUDA graphs); any other batch (prefills, chunks, and decodes beside them) runs the varlen conv
+and the varlen scan, whose decode rows are sequences of length 1. The state-dependent core
+(conv, x_proj, dt_proj, scan) is one split op: a hole of the piecewise CUDA graphs, as in Mamba2.
+
+Parameter names and shapes follow the Hugging Face checkpoints (`in_proj`, `conv1d.weight`
+(d_inner, 1, width), `conv1d.bias`, `x_proj`, `dt_proj` (with bias), `A_log` (d_inner,
+d_state), `D`, `out_proj`). The layer reads its (conv_states, ssm_states) pair from
+`ctx.mamba_caches[cache_index]`: conv (width - 1, d_inner), SSM (d_inner, d_state) per slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mambaserve import ops
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.graph_split import split_op
+from mambaserve.layers.mamba2 import MambaStateShape, _Conv1dWeights
+
+
+class MambaMixer(nn.Module):
+    """hidden_states: (num_tokens, hidden_size) -> (num_tokens, hidden_size)."""
+
+    # kept in float32 whatever the model dtype: decay rates, skip and step-size bias
+    float32_params = ("A_log", "D", "dt_proj.bias")
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        intermediate_size: int,
+        d_state: int,
+        conv_kernel: int,
+        time_step_rank: int,
+        use_conv_bias: bool = True,
+        use_bias: bool = False,
+        activation: str = "silu",
+        cache_index: int = 0,
+    ):
+        super().__init__()
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba-1 mixer: unsupported hidden_act {activation!r} (the conv activation); expected 'silu'")
+        self.intermediate_size, self.d_state = intermediate_size, d_state
+        self.conv_kernel, self.time_step_rank = conv_kernel, time_step_rank
+        self.cache_index = cache_index
+        self.in_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
+        self.conv1d = _Conv1dWeights(intermediate_size, conv_kernel, use_conv_bias)
+        self.x_proj = nn.Linear(intermediate_size, time_step_rank + 2 * d_state, bias=False)
+        self.dt_proj = nn.Linear(time_step_rank, intermediate_size, bias=True)
+        self.A_log = nn.Parameter(torch.empty(intermediate_size, d_state))
+        self.D = nn.Parameter(torch.empty(intermediate_size))
+        self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
+
+    def state_shape(self) -> MambaStateShape:
+        return MambaStateShape((self.conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.d_state))
+
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext, partials: bool = False) -> torch.Tensor:
+        """hidden_states: (T, hidden) -> (T, hidden). partials=True (for a caller whose next op
+        is `RMSNorm.add_and_norm`) returns (num_parts, T, hidden) terms summing to the output."""
+        xz = self.in_proj(hidden_states)  # (T, 2 * d_inner)
+        y = split_op(self.ssm, (xz,), ctx)  # (T, d_inner), gated by silu(z)
+        if partials:
+            if self.out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens():
+                return ops.linear_partials(y, self.out_proj.weight)
+            return self.out_proj(y)[None]
+        return self.out_proj(y)
+
+    def decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log), float32 (d_inner, d_state), recomputed only when A_log changes."""
+        key = (self.A_log._version, self.A_log.data_ptr())
+        cached = getattr(self, "_decay", None)
+        if cached is None or cached[0] != key:
+            self._decay = cached = (key, -torch.exp(self.A_log.detach().float()))
+        return cached[1]
+
+    def ssm(self, xz: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The state-dependent core: conv1d, the input-dependent dt, B, C, and the scan.
+
+        xz: (num_tokens, 2 * d_inner) from in_proj. Returns y (num_tokens, d_inner), already
+        multiplied by silu(z). Reads and writes this layer's state slots of `ctx`. Rows past
+        the last sequence (padding of a piecewise graph) are left unwritten.
+        """
+        I = self.intermediate_size
+        x, z = xz[:, :I], xz[:, I:]  # column slices: the conv and the scan read them in place
+        conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
+        weight = self.conv1d.weight.view(I, self.conv_kernel)
+        if ctx.decode_only:
+            x = ops.causal_conv1d_update(x, conv_states, weight, self.conv1d.bias, ctx.state_indices)
+            dt, B, C = self._dt_B_C(x)
+            return ops.selective_scan_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, z,
+                                             self.dt_proj.bias, ctx.state_indices)
+        x = ops.causal_conv1d(x, weight, self.conv1d.bias, conv_states, ctx.query_start_loc, ctx.state_indices,
+                              ctx.has_initial_state, metadata=ctx.metadata)
+        dt, B, C = self._dt_B_C(x)
+        return ops.selective_scan(x, dt, self.decay_rates(), B, C, self.D, z, self.dt_proj.bias, ssm_states,
+                                  ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state)
+
+    def _dt_B_C(self, x: torch.Tensor):
+        """x: (T, d_inner) after the conv -> dt (T, d_inner) before its bias and softplus, and
+        B, C (T, d_state) (column slices of x_proj's output)."""
+        R, N = self.time_step_rank, self.d_state
+        x_dbl = F.linear(x, self.x_proj.weight)  # (T, R + 2N)
+        dt = F.linear(x_dbl[:, :R], self.dt_proj.weight)  # (T, d_inner)
+        return dt, x_dbl[:, R : R + N], x_dbl[:, R + N :]

@@ -1,0 +1,96 @@
+"""MambaForCausalLM (Mamba-1, e.g. state-spaces/mamba-130m-hf): pre-norm Mamba-1 mixers only.
+
+HF names: backbone.embeddings, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.*,
+backbone.norm_f, lm_head (tied to the embeddings when tie_word_embeddings, the default).
+Each block is h = h + mixer(rmsnorm(h)); with residual_in_fp32 (the default) the residual
+stream h is kept in float32 whatever the model dtype, and the normed activations that feed the
+mixers are in the model dtype. The SSM state dtype follows the engine's mamba_ssm_cache_dtype
+("auto": the model dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.mamba1 import MambaMixer
+from mambaserve.layers.norm import RMSNorm
+from mambaserve.models.base import CacheSpec, HybridForCausalLM
+
+
+class _Block(nn.Module):
+    def __init__(self, config, index: int):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mixer = MambaMixer(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            d_state=config.state_size,
+            conv_kernel=config.conv_kernel,
+            time_step_rank=int(config.time_step_rank),
+            use_conv_bias=config.use_conv_bias,
+            use_bias=config.use_bias,
+            activation=config.hidden_act,
+            cache_index=index,
+        )
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(_Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
+class MambaForCausalLM(HybridForCausalLM):
+    """Mamba-1: pre-norm Mamba-1 mixers. forward(input_ids (T,), positions (T,), ctx) ->
+    final-normed hidden (T, hidden) in the model dtype; positions are unused.
+
+    Raises ValueError for a config whose blocks use LayerNorm (`rms_norm: false`): transformers
+    builds RMSNorm regardless, which would silently compute another model.
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        if getattr(config, "rms_norm", True) is False:
+            raise ValueError("MambaForCausalLM with rms_norm=false (LayerNorm blocks) is not supported")
+        self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", True))
+        self.backbone = _Backbone(config)
+        self.make_lm_head(self.backbone.embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        emb = self.backbone.embeddings(input_ids)  # (T, hidden), model dtype
+        layers = self.backbone.layers
+        x = layers[0].norm(emb)
+        h = emb.float() if self.residual_in_fp32 else emb  # the residual stream
+        for i, layer in enumerate(layers):
+            following = layers[i + 1].norm if i + 1 < len(layers) else self.backbone.norm_f
+            # h += mixer(x); x = norm(h). Partial sums come back in h's dtype: float32 for a
+            # float32 residual stream, while the next in_proj takes the model dtype.
+            x = following.add_and_norm(layer.mixer(x, ctx, partials=True), h).to(emb.dtype)
+        return x
+
+    def cache_spec(self) -> CacheSpec:
+        spec = CacheSpec()
+        for i, layer in enumerate(self.backbone.layers):
+            assert layer.mixer.cache_index == i
+            spec.mamba.append(layer.mixer.state_shape())
+        return spec
+
+    @torch.no_grad()
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """The base initialisation (S4D-real A[d, n] = -(n + 1), D = 1), then dt_proj's bias:
+        the inverse softplus of dt log-uniform in [time_step_min, time_step_max] (Gu & Dao 2023,
+        section 3.6 and appendix)."""
+        super().init_dummy_weights(seed)
+        gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+        lo = math.log(float(getattr(self.config, "time_step_min", 1e-3)))
+        hi = math.log(float(getattr(self.config, "time_step_max", 1e-1)))
+        for layer in self.backbone.layers:
+            bias = layer.mixer.dt_proj.bias
+            dt = torch.exp(torch.rand(bias.shape, generator=gen) * (hi - lo) + lo)
+            bias.copy_(dt + torch.log(-torch.expm1(-dt)))
