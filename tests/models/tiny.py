@@ -57,6 +57,12 @@ CONFIGS = {
         conv_kernel=4, expand=2, use_conv_bias=True, residual_in_fp32=True, tie_word_embeddings=True,
         eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
+    # Mamba-1: d_state 24, conv width 3, projection biases, untied, residual stream in the model dtype
+    "mamba1-untied": dict(
+        arch="Mamba", initializer_range=0.3, vocab_size=170, hidden_size=40, state_size=24, num_hidden_layers=2,
+        conv_kernel=3, expand=2, time_step_rank=5, use_conv_bias=True, use_bias=True, residual_in_fp32=False,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
     # Zamba2: two shared blocks over three hybrid depths, attention and MLP adapters, RoPE,
     # time_step_min high enough that transformers' lower dt clamp binds; tied embeddings
     "zamba2": dict(

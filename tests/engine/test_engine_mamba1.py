@@ -1,0 +1,90 @@
+"""The engine on Mamba-1 (`MambaForCausalLM`, tiny config "mamba1"): greedy outputs must not
+depend on batching, chunking or padding, must equal transformers' greedy generate, and the
+pools must return to empty. CPU tests run the reference ops; the GPU tests (skipped without
+CUDA) run the Triton kernels, eagerly and in CUDA graphs (decode graphs and piecewise graphs,
+whose holes are the Mamba-1 mixer's conv + scan)."""
+
+import pytest
+import torch
+
+from mambaserve import SamplingParams
+from tests.engine.test_engine import GREEDY, _EagerPiecewise, alone, assert_pools_empty, make, prompts_for, run  # noqa: F401
+from tests.models.tiny import hf_model
+
+NAME = "mamba1"
+
+
+def test_batched_equals_alone(alone):
+    llm = make(NAME)
+    assert run(llm, prompts_for(NAME)) == alone(NAME)
+    assert_pools_empty(llm)
+
+
+@pytest.mark.parametrize("budget", [1, 7])
+def test_chunked_prefill_equals_whole_prompts(budget, alone):
+    llm = make(NAME, max_num_batched_tokens=budget)
+    assert run(llm, prompts_for(NAME)) == alone(NAME)
+    assert_pools_empty(llm)
+
+
+def test_padded_piecewise_steps_equal_alone(alone):
+    """Steps padded to a captured size as the piecewise graphs pad them (rows of no sequence)."""
+    llm = make(NAME, max_num_batched_tokens=7)
+    runner = llm.llm_engine.runner
+    runner.piecewise_graphs = _EagerPiecewise(runner.model)
+    assert run(llm, prompts_for(NAME)) == alone(NAME)
+    assert_pools_empty(llm)
+
+
+def test_greedy_equals_transformers_generate(alone):
+    hf = hf_model(NAME)
+    hf.generation_config.eos_token_id = None
+    for p, ours in list(zip(prompts_for(NAME), alone(NAME)))[1:5]:
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10,
+                              pad_token_id=0)[0, len(p):].tolist()
+        assert ours == ref
+
+
+def test_auto_ssm_cache_dtype_is_the_model_dtype():
+    llm = make(NAME, dtype="bfloat16", mamba_ssm_cache_dtype="auto", max_num_seqs=2)
+    runner = llm.llm_engine.runner
+    assert runner.ssm_dtype == torch.bfloat16
+    spec = runner.model.cache_spec()
+    assert [s.ssm_shape for s in spec.mamba] == [(72, 16)] * 2 and [s.conv_shape for s in spec.mamba] == [(3, 72)] * 2
+    assert all(ssm.dtype == torch.bfloat16 and ssm.shape[1:] == (72, 16) for _, ssm in runner.caches.mamba)
+    # the bfloat16 model on the CPU (float32 residual stream) still generates
+    assert len(run(llm, prompts_for(NAME)[:2])[1]) == GREEDY.max_tokens
+
+
+def _gen(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_greedy_equals_cpu_float32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cpu = _gen(make(NAME), prompts_for(NAME), params)
+    gpu = _gen(make(NAME, device="cuda", enforce_eager=True, gpu_memory_utilization=0.05), prompts_for(NAME), params)
+    assert gpu == cpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["piecewise", "full_and_piecewise"])
+def test_gpu_graphs_equal_eager(mode):
+    """Decode graphs (one-step conv and scan kernels) and piecewise graphs (mixed steps, chunks of
+    a 200-token prompt beside decodes) against eager, float32 without TF32: the same tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    kw = dict(dtype="float32", device="cuda", max_num_seqs=8, cuda_graph_sizes=[1, 2, 4, 8],
+              max_num_batched_tokens=64, gpu_memory_utilization=0.05)
+    prompts = prompts_for(NAME, lens=(1, 200, 3, 30, 2, 9, 17), seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    eager = make(NAME, enforce_eager=True, **kw)
+    graphed = make(NAME, compilation_mode=mode, **kw)
+    assert graphed.llm_engine.runner.piecewise_graphs is not None
+    assert (graphed.llm_engine.runner.decode_graphs is not None) == (mode == "full_and_piecewise")
+    for batch in ([prompts[0]], prompts[:3], prompts):
+        assert _gen(graphed, batch, params) == _gen(eager, batch, params)
+    assert_pools_empty(graphed)
