@@ -99,8 +99,11 @@ def _chunk_state_kernel(
         cs = cs_carry + tl.cumsum(dA, axis=0)
         tl.store(dt_out_ptr + t_base + k, dt, mask=k < k_write)
         tl.store(cs_out_ptr + t_base + k, cs, mask=k < k_write)
-        cs_carry = cs_carry + tl.sum(dA, axis=0)
-    total = cs_carry
+        # carry the cumsum of the block's last row itself, not cs_carry + sum(dA): the two round
+        # differently, and exp(total - cs_l) must be exactly 1 at the chunk's last row (with
+        # |cs| in the thousands one ulp is 1e-4..1e-3 relative in every chunk state)
+        cs_carry = tl.sum(tl.where(k == tl.minimum(k0 + BLOCK_K, chunk_len) - 1, cs, 0.0), axis=0)
+    total = cs_carry  # == the stored cs of the chunk's last row, bit for bit
 
     # pass 2: s_c = sum_l exp(total - cs_l) dt'_l x_l B_l^T, accumulated in place by tl.dot
     # (dt' and cs are recomputed bit for bit: cheaper than a barrier and a reload)
@@ -114,7 +117,7 @@ def _chunk_state_kernel(
         dt = tl.where(k_mask, _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
         dA = dt * A
         cs = cs_carry + tl.cumsum(dA, axis=0)
-        cs_carry = cs_carry + tl.sum(dA, axis=0)
+        cs_carry = tl.sum(tl.where(k == tl.minimum(k0 + BLOCK_K, chunk_len) - 1, cs, 0.0), axis=0)
         weight = tl.exp(total - cs) * dt  # decay from the row to the end of the chunk, times dt'
         xT = tl.load(x_ptr + rows[None, :] * stride_x_t + h * stride_x_h + p[:, None] * stride_x_p,
                      mask=p_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)

@@ -165,3 +165,28 @@ def test_mamba_chunk_scan_long_prompt_gpu(poison_empty):
     states = torch.randn(num_slots, H, P, N, device="cuda")
     _poison_fresh_slots(states, idx, has)
     _check(x, dt, A, B, C, Q, D, z, dt_bias, states, qsl, idx, has)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_mamba_chunk_scan_final_states_at_strong_decay(device, chunk_size, poison_empty):
+    """dt' A of -1e3..-1e4 per token: the in-chunk cumsum reaches -1e5 and more, where one
+    float32 ulp is 1e-2. Every chunk state is sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T, so
+    cs_end must be the cumsum of the chunk's last row itself: a chunk total summed in another
+    order differs by ulps and scaled each chunk state by exp(ulps), a relative error near 1e-3
+    (the final states are dominated by the last tokens; float32 must hold to 2e-4)."""
+    H, P, N, G, num_slots = 4, 16, 16, 2, 5
+    lens = [chunk_size, 2 * chunk_size + 5, chunk_size - 3]
+    qsl, T = packed(lens, device)
+    idx = random_slots(len(lens), num_slots, padding=[], device=device)
+    has = torch.tensor([False, True, False], device=device)
+    x, _, B, C, z = _inputs(T, H, P, G, N, torch.float32, device)
+    dt = 50.0 + 50.0 * torch.rand(T, H, device=device)  # used as dt' directly (no softplus)
+    A = -50.0 - 50.0 * torch.rand(H, device=device)
+    states = torch.randn(num_slots, H, P, N, device=device)
+    ours, expected = states.clone(), states.clone()
+    with ops.backend("triton"):
+        ops.mamba_chunk_scan(x, dt, A, B, C, chunk_size, None, None, None, ours, qsl, idx, has, dt_softplus=False)
+    ref.mamba_chunk_scan(x, dt, A, B, C, chunk_size, None, None, None, expected, qsl, idx, has, dt_softplus=False)
+    for slot in idx.tolist():
+        assert rel_err(ours[slot], expected[slot]) < tolerance(torch.float32), f"slot {slot}"
