@@ -29,7 +29,7 @@ def gen_with_logprobs(llm, prompts, params):
             for o in outs]
 
 
-GPU_FAMILIES = FAMILIES + ["granite-moe-absorbed"]  # and the MoE holding its shared expert
+GPU_FAMILIES = FAMILIES + ["granite-moe-absorbed", "mamba1"]  # and the MoE holding its shared expert, and Mamba-1
 
 
 @pytest.mark.parametrize("name", GPU_FAMILIES)
