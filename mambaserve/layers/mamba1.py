@@ -26,7 +26,7 @@ from torch import nn
 from mambaserve import ops
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
-from mambaserve.layers.mamba2 import MambaStateShape, _Conv1dWeights
+from mambaserve.layers.mamba2 import MambaStateShape, _Conv1dWeights, project_out
 
 
 class MambaMixer(nn.Module):
@@ -70,11 +70,7 @@ class MambaMixer(nn.Module):
         is `RMSNorm.add_and_norm`) returns (num_parts, T, hidden) terms summing to the output."""
         xz = self.in_proj(hidden_states)  # (T, 2 * d_inner)
         y = split_op(self.ssm, (xz,), ctx)  # (T, d_inner), gated by silu(z)
-        if partials:
-            if self.out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens():
-                return ops.linear_partials(y, self.out_proj.weight)
-            return self.out_proj(y)[None]
-        return self.out_proj(y)
+        return project_out(self.out_proj, y, partials)
 
     def decay_rates(self) -> torch.Tensor:
         """A = -exp(A_log), float32 (d_inner, d_state), recomputed only when A_log changes."""

@@ -32,6 +32,17 @@ class MambaStateShape:
     ssm_shape: tuple[int, ...]
 
 
+def project_out(out_proj: nn.Linear, y: torch.Tensor, partials: bool) -> torch.Tensor:
+    """A mixer's out_proj. y: (T, inner) -> (T, hidden), or with partials (num_parts, T, hidden)
+    terms summing to it, for `RMSNorm.add_and_norm` to add: at decode sizes (and without a
+    bias) the product runs as one split-K launch whose reduction the norm kernel does."""
+    if partials:
+        if out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens():
+            return ops.linear_partials(y, out_proj.weight)
+        return out_proj(y)[None]
+    return out_proj(y)
+
+
 class _Conv1dWeights(nn.Module):
     def __init__(self, dim: int, width: int, bias: bool):
         super().__init__()
@@ -93,11 +104,7 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
         y = split_op(self.ssm, (zxbcdt,), ctx)  # (T, I)
         y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=I // self.n_groups)
-        if partials:
-            if self.out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens():
-                return ops.linear_partials(y, self.out_proj.weight)
-            return self.out_proj(y)[None]
-        return self.out_proj(y)
+        return project_out(self.out_proj, y, partials)
 
     def decay_rates(self) -> torch.Tensor:
         """A = -exp(A_log), float32 (nheads,): computed once per weight version, not per step."""
