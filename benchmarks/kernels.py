@@ -20,6 +20,8 @@ hidden 1536, expand 2 -> d_inner 3072, 48 heads x 64, d_state 128, 1 group, conv
 chunk 256), bfloat16 activations, float32 SSM state pool, bfloat16 conv state pool, inputs as
 views of an in_proj-shaped output. Batches: one 31,500-token prefill; 8 x 2,048-token
 prefills; 4 x 1,024-token prefills mixed with 60 decodes; decode batches of 1, 8, 64, 256.
+Mamba-1 (mamba-130m: d_inner 1536, d_state 16, dt rank 48): the selective scan on a 2,048-token
+prefill and on 4 x 512 prefills beside 60 decodes, and its decode update at batches 1, 64, 256.
 
 Extending: write a function that returns a list of `Case` and decorate it with `@register`
 (cases of other ops, e.g. attention or MoE, belong here too). `--sweep` times alternative
@@ -49,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mambaserve import ops  # noqa: E402
 from mambaserve.ops import conv1d as conv1d_mod  # noqa: E402
+from mambaserve.ops import mamba1_scan as mamba1_scan_mod  # noqa: E402
 from mambaserve.ops import ssd as ssd_mod  # noqa: E402
 from mambaserve.ops import state_update as state_update_mod  # noqa: E402
 
@@ -312,6 +315,61 @@ def mamba_decode_cases() -> list[Case]:
     return cases
 
 
+# --- the mamba-130m Mamba-1 layer (benchmarks/configs/mamba-130m.json) ----------------------
+
+M1_D_INNER, M1_DSTATE, M1_RANK = 1536, 16, 48
+M1_BATCHES = {"prefill 2048": ([2048], [False]), "mixed 4x512+60dec": ([512] * 4 + [1] * 60, [False] * 4 + [True] * 60)}
+
+
+class Mamba1Layer:
+    """Inputs of one Mamba-1 selective scan for a packed batch: x, z as column slices of an
+    in_proj-shaped output, B, C of an x_proj-shaped one; float32 (d_inner, d_state) state pool."""
+
+    def __init__(self, lens, has_init, seed=0):
+        g = torch.Generator(device=DEV).manual_seed(seed)
+        self.T = T = sum(lens)
+        batch = len(lens)
+        qsl = [0]
+        for n in lens:
+            qsl.append(qsl[-1] + n)
+        self.qsl = torch.tensor(qsl, dtype=torch.int32, device=DEV)
+        self.idx = torch.randperm(batch + 8, generator=torch.Generator().manual_seed(seed))[:batch].to(torch.int32).to(DEV)
+        self.has = torch.tensor(has_init, device=DEV)
+        xz = torch.randn(T, 2 * M1_D_INNER, device=DEV, generator=g).to(BF16)
+        self.x, self.z = xz[:, :M1_D_INNER], xz[:, M1_D_INNER:]
+        self.dt = (torch.randn(T, M1_D_INNER, device=DEV, generator=g) - 2).to(BF16)
+        x_dbl = torch.randn(T, M1_RANK + 2 * M1_DSTATE, device=DEV, generator=g).to(BF16)
+        self.B, self.C = x_dbl[:, M1_RANK:M1_RANK + M1_DSTATE], x_dbl[:, M1_RANK + M1_DSTATE:]
+        self.A = -torch.arange(1, M1_DSTATE + 1, device=DEV, dtype=torch.float32).expand(M1_D_INNER, -1).contiguous()
+        self.D = torch.randn(M1_D_INNER, device=DEV, generator=g)
+        self.dt_bias = torch.randn(M1_D_INNER, device=DEV, generator=g)
+        self.states = torch.randn(batch + 8, M1_D_INNER, M1_DSTATE, device=DEV, generator=g)
+        self.bytes = (T * (4 * M1_D_INNER + 2 * M1_DSTATE) * 2  # x, z, dt, y, B, C
+                      + (int(self.has.sum()) + batch) * M1_D_INNER * M1_DSTATE * 4)
+
+    def scan(self):
+        return ops.selective_scan(self.x, self.dt, self.A, self.B, self.C, self.D, self.z, self.dt_bias, self.states,
+                                  self.qsl, self.idx, self.has)
+
+    def update(self):
+        return ops.selective_scan_update(self.states, self.x, self.dt, self.A, self.B, self.C, self.D, self.z,
+                                         self.dt_bias, self.idx)
+
+
+@register
+def mamba1_cases() -> list[Case]:
+    cases = []
+    for name, (lens, has) in M1_BATCHES.items():
+        layer = Mamba1Layer(lens, has)
+        cases.append(Case(f"selective_scan {name}", "mamba1", layer.scan, layer.bytes, 9 * layer.T * M1_D_INNER * M1_DSTATE,
+                          note="token-sequential per (sequence, channel block): latency-bound on long prompts"))
+    for batch in (1, 64, 256):
+        layer = Mamba1Layer([1] * batch, [True] * batch)
+        cases.append(Case(f"selective_scan_update decode {batch}", "mamba1", layer.update, layer.bytes,
+                          9 * batch * M1_D_INNER * M1_DSTATE))
+    return cases
+
+
 # --- offline tuning --------------------------------------------------------------------------
 
 SWEEPS = [  # (case name, module, config attribute, variants); the first variant is the default
@@ -336,6 +394,11 @@ SWEEPS = [  # (case name, module, config attribute, variants); the first variant
     ("selective_state_update decode 256", state_update_mod, "STATE_UPDATE_CONFIG", [
         {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 2}, {"block_p": 4, "num_warps": 4},
         {"block_p": 32, "num_warps": 4}]),
+    ("selective_scan prefill 2048", mamba1_scan_mod, "SCAN_CONFIG", [
+        {"block_d": 32, "num_warps": 2}, {"block_d": 16, "num_warps": 1}, {"block_d": 16, "num_warps": 2},
+        {"block_d": 64, "num_warps": 4}, {"block_d": 8, "num_warps": 1}]),
+    ("selective_scan_update decode 256", mamba1_scan_mod, "SCAN_CONFIG", [
+        {"block_d": 32, "num_warps": 2}, {"block_d": 64, "num_warps": 4}, {"block_d": 128, "num_warps": 4}]),
     ("causal_conv1d_update decode 256", conv1d_mod, "UPDATE_CONFIG", [
         {"block_d": 256, "num_warps": 4}, {"block_d": 512, "num_warps": 4}, {"block_d": 1024, "num_warps": 8}]),
 ]
