@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -81,6 +83,10 @@ class LLMEngine:
                                  f"(use skip_tokenizer_init=True for token ids only): {e}") from e
         self.detokenizer = Detokenizer(self.tokenizer) if self.tokenizer is not None else None
         self.eos_token_ids = self._eos_ids()
+        # generation_config.json may name more end tokens (a chat model's end of turn beside the
+        # end of text): as in vLLM, they stop a request unless ignore_eos, with the token as its
+        # stop_reason, and min_tokens masks them too
+        self.extra_eos_token_ids = [t for t in self._generation_config_eos_ids() if t not in self.eos_token_ids]
         self.max_model_len = self.runner.max_model_len
         self.slot_pool = StateSlotPool(self.runner.num_slots - 1)  # the last slot is the scratch slot
         self.block_pool = BlockPool(self.runner.num_blocks, config.block_size) if self.runner.has_attention else None
@@ -90,7 +96,7 @@ class LLMEngine:
             slot_pool=self.slot_pool, block_pool=self.block_pool,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.sampler = Sampler(self.eos_token_ids or None)
+        self.sampler = Sampler(self.eos_token_ids + self.extra_eos_token_ids or None)
         self.requests: dict[str, _Request] = {}
         self._seq_owner: dict[str, tuple[_Request, int]] = {}
         self._counter = itertools.count()
@@ -108,6 +114,23 @@ class LLMEngine:
         if eos is None:
             return []
         return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+    def _generation_config_eos_ids(self) -> list[int]:
+        """eos_token_id of the checkpoint's generation_config.json (an id or a list), or []."""
+        path = os.path.join(self.config.model, "generation_config.json")
+        if not os.path.isfile(path):
+            return []
+        try:
+            with open(path) as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as e:
+            logger.warning("ignoring unreadable %s: %s", path, e)
+            return []
+        ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            logger.warning("ignoring eos_token_id %r of %s: not token ids", eos, path)
+            return []
+        return ids
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str) -> list[int]:
@@ -337,6 +360,8 @@ class LLMEngine:
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
+            elif not p.ignore_eos and token in self.extra_eos_token_ids:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
             elif token in p.stop_token_ids:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         # A stop token's own text is left out of the output, as in vLLM, unless asked for.

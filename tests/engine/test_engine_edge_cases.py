@@ -324,14 +324,18 @@ def test_prompts_at_max_model_len(alone):
 # ---------------------------------------------------------------- EOS
 # vLLM / SGLang reports of requests running past EOS or stopping on it under min_tokens
 
-def _with_eos(name, eos):
-    """A copy of the tiny checkpoint whose config names `eos` as the EOS token."""
+def _with_eos(name, eos, file="config.json"):
+    """A copy of the tiny checkpoint whose config.json (or generation_config.json) names `eos`
+    as the EOS token id(s)."""
     path = tempfile.mkdtemp(prefix=f"mambaserve-{name}-eos-")
     shutil.copytree(checkpoint(name), path, dirs_exist_ok=True)
-    with open(f"{path}/config.json") as f:
-        cfg = json.load(f)
+    try:
+        with open(f"{path}/{file}") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        cfg = {}
     cfg["eos_token_id"] = eos
-    with open(f"{path}/config.json", "w") as f:
+    with open(f"{path}/{file}", "w") as f:
         json.dump(cfg, f)
     return path
 
@@ -359,6 +363,33 @@ def test_eos_stops_each_request_where_it_would_alone(async_scheduling, alone):
         if cut is not None and cut > 6:
             assert min6.token_ids == r[:cut]
     assert outs[9].outputs[0].finish_reason == "stop" and len(outs[9].outputs[0].token_ids) <= 5
+    assert_pools_empty(llm)
+
+
+def test_generation_config_end_tokens_stop_requests():
+    """A chat checkpoint lists its end-of-turn token beside EOS in generation_config.json
+    (vLLM #4589: they become stop tokens unless ignore_eos): the request stops on it with it as
+    stop_reason, min_tokens masks it, ignore_eos runs past it."""
+    name = "bamba"
+    prompts = prompts_for(name)
+    solo = make(name, max_num_seqs=1)
+    ref = [run(solo, [p])[0] for p in prompts]
+    end = ref[4][3]  # the 4th greedy token of prompt 4
+    llm = LLM(_with_eos(name, [2, end], "generation_config.json"), skip_tokenizer_init=True, dtype="float32",
+              device="cpu")
+    params = [SamplingParams(temperature=0.0, max_tokens=10),
+              SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts for _ in params], params * len(prompts),
+                        use_tqdm=False)
+    for i, r in enumerate(ref):
+        plain, ignored, min10 = (o.outputs[0] for o in outs[3 * i: 3 * i + 3])
+        cut = r.index(end) + 1 if end in r else None
+        assert plain.token_ids == r[:cut]
+        assert (plain.finish_reason, plain.stop_reason) == (("stop", end) if cut else ("length", None))
+        assert ignored.token_ids == r and ignored.finish_reason == "length"
+        assert end not in min10.token_ids and len(min10.token_ids) == 10
+    assert outs[12].outputs[0].stop_reason == end and len(outs[12].outputs[0].token_ids) <= 4
     assert_pools_empty(llm)
 
 
@@ -407,4 +438,59 @@ def test_a_bad_request_in_a_batch_leaves_the_engine_clean(bad, alone):
     assert e.num_requests == 1 and e.slot_pool.num_used == 1
     assert drive(e, {}) == {"running": [ref[4]]}
     assert run(llm, prompts[:3]) == ref[:3]
+    assert_pools_empty(llm)
+
+
+# ---------------------------------------------------------------- logprobs under recompute
+# vLLM PR #8533 (prefill chunking of the mamba kernels), SGLang PR #1079 (chunked prefill
+# feeding the wrong rows): prompt and sample logprobs assembled over chunks and recomputes
+
+def test_logprobs_batched_chunked_and_preempted_equal_alone():
+    name = "granite-moe"
+    prompts = prompts_for(name)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    solo = make(name, max_num_seqs=1)
+    ref = [solo.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+
+    def flat(out):
+        lps = [d for d in out.prompt_logprobs[1:]] + out.outputs[0].logprobs
+        return [(t, lp.rank, lp.logprob) for d in lps for t, lp in d.items()]
+
+    for kw in (dict(max_num_batched_tokens=5), dict(block_size=4, num_kv_blocks=12, max_model_len=48)):
+        llm = make(name, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for o, r in zip(outs, ref):
+            assert o.outputs[0].token_ids == r.outputs[0].token_ids
+            assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(o.prompt_token_ids)
+            got, want = flat(o), flat(r)
+            assert [g[:2] for g in got] == [w[:2] for w in want]
+            assert all(abs(g[2] - w[2]) < 1e-4 for g, w in zip(got, want))
+        assert_pools_empty(llm)
+
+
+# ---------------------------------------------------------------- streaming
+# SGLang #11048 (n > 1 behaviour changing between versions), vLLM PR #10980 (parallel sampling
+# in the streaming engine)
+
+def test_streaming_outputs_grow_and_end_as_generate(alone):
+    name = "bamba"
+    prompts, ref = prompts_for(name), alone(name)
+    llm = make(name, max_num_batched_tokens=7)
+    e = llm.llm_engine
+    n2 = SamplingParams(n=2, temperature=0.0, max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        e.add_request(f"s{i}", {"prompt_token_ids": p}, n2 if i % 2 else GREEDY)
+    seen, finished = {}, {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            assert out.request_id not in finished, "output after the request finished"
+            toks = [c.token_ids for c in out.outputs]
+            for k, t in enumerate(toks):
+                prev = seen.get((out.request_id, k), [])
+                assert t[: len(prev)] == prev and len(t) <= 10
+                seen[(out.request_id, k)] = t
+            if out.finished:
+                assert all(c.finish_reason == "length" for c in out.outputs)
+                finished[out.request_id] = toks
+    assert finished == {f"s{i}": [ref[i]] * (2 if i % 2 else 1) for i in range(len(prompts))}
     assert_pools_empty(llm)
