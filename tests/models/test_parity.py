@@ -141,7 +141,7 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["granite-moe-absorbed", "granite-moe", "mamba2", "mamba1"])
+@pytest.mark.parametrize("name", ["granite-moe-absorbed", "granite-moe", "mamba2", "mamba1", "mamba1-untied"])
 def test_triton_kernels_match_the_reference_ops_in_a_model(name):
     """The whole model on the Triton path (the interpreter on CPU): fused add + norm, split-K
     out_proj partials, the decode MoE and router kernels, against the reference ops, float32."""
