@@ -100,7 +100,7 @@ class MambaMixer(nn.Module):
                               ctx.has_initial_state, metadata=ctx.metadata)
         dt, B, C = self._dt_B_C(x)
         return ops.selective_scan(x, dt, self.decay_rates(), B, C, self.D, z, self.dt_proj.bias, ssm_states,
-                                  ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state)
+                                  ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state, metadata=ctx.metadata)
 
     def _dt_B_C(self, x: torch.Tensor):
         """x: (T, d_inner) after the conv -> dt (T, d_inner) before its bias and softplus, and

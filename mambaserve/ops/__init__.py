@@ -296,6 +296,7 @@ def selective_scan(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     dt_softplus: bool = True,
+    metadata: dict | None = None,
 ) -> torch.Tensor:
     """The Mamba-1 selective scan over variable-length packed sequences, with state pool I/O.
 
@@ -308,7 +309,9 @@ def selective_scan(
     has_initial_state (batch,) bool. Returns y (num_tokens, dim) in x.dtype.
     Math (Mamba paper, Gu & Dao 2023, section 3, Algorithm 2): dt' = softplus(dt + dt_bias);
     h_t = exp(dt'_t A) * h_{t-1} + (dt'_t x_t) B_t^T; y_t = h_t C_t + D x_t.
-    Raises ValueError on inconsistent shapes.
+    metadata: the per-step dict (the kernel path reads the host copy of the offsets from it).
+    Raises ValueError on inconsistent shapes, or query_start_loc that starts below 0,
+    decreases or ends past x's rows.
     """
     _check_selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states)
     _check_batch(query_start_loc, state_indices, has_initial_state)
@@ -316,7 +319,7 @@ def selective_scan(
         from mambaserve.ops.mamba1_scan import selective_scan_triton
 
         return selective_scan_triton(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
-                                     has_initial_state, dt_softplus)
+                                     has_initial_state, dt_softplus, metadata)
     return reference.selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
                                     has_initial_state, dt_softplus)
 

@@ -11,7 +11,8 @@ a decode costs one step of each of its programs.
 `selective_scan_triton` takes the packed batch (query_start_loc, has_initial_state);
 `selective_scan_update_triton` is the same kernel for a decode-only batch (row b is sequence b,
 always with a state): no host metadata and no host sync, so it is safe inside CUDA graphs, and
-so is the varlen launcher (its loop bounds are read on the device).
+so is the varlen kernel itself (its loop bounds are read on the device; its launcher checks
+the offsets on the host, from the step's host copy when the metadata holds one).
 
 A state index of -1 marks padding: its rows are computed from a zero state and no slot is read
 or written. Math and semantics: `mambaserve.ops.reference.selective_scan`. This module knows
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.state_update import _softplus
+from mambaserve.ops.varlen import check_offsets, query_start_loc_host
 
 # Fixed launch config (never autotuned: the kernel writes live state in place). Channel blocks
 # are narrow so that a single long prompt still spreads over many programs (130M: 1,536
@@ -131,6 +133,7 @@ def selective_scan_triton(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     dt_softplus: bool = True,
+    metadata: dict | None = None,
 ) -> torch.Tensor:
     """Mamba-1 selective scan over a packed prefill/decode batch, one launch.
 
@@ -139,9 +142,13 @@ def selective_scan_triton(
     dim) or None; ssm_states: (num_slots, dim, dstate), float32/bfloat16/float16, read where
     has_initial_state and overwritten with each sequence's final state (float32 arithmetic);
     query_start_loc: (batch + 1,) int32; state_indices: (batch,) int32, -1 = padding;
-    has_initial_state: (batch,) bool. Returns y (num_tokens, dim) in x.dtype; rows past
-    query_start_loc[-1] are left unwritten. Semantics: `reference.selective_scan`.
+    has_initial_state: (batch,) bool. metadata: the per-step dict, whose host copy of the
+    offsets (`varlen.QSL_HOST_LIST`) spares a device read. Returns y (num_tokens, dim) in
+    x.dtype; rows past query_start_loc[-1] are left unwritten. Semantics:
+    `reference.selective_scan`. Raises ValueError when query_start_loc starts below 0,
+    decreases or ends past x's rows (the kernel would index out of bounds).
     """
+    check_offsets(query_start_loc_host(query_start_loc, metadata), x.shape[0])
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return _launch(True, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
                    has_initial_state, dt_softplus, y)

@@ -137,6 +137,21 @@ def test_selective_scan_bad_shapes_are_value_errors():
         ops.selective_scan_update(pool, x, dt, A, B, C, D, z, dt_bias, idx)
 
 
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("offsets", [[0, 2, 6], [0, 3, 2], [-1, 2, 5]])
+def test_selective_scan_bad_offsets_are_value_errors(impl, offsets):
+    """Offsets past x's rows, decreasing or below 0: refused, not read out of bounds."""
+    x, dt, A, B, C, D, z, dt_bias = _inputs(5, 8, 4, torch.float32, "cpu")
+    qsl = torch.tensor(offsets, dtype=torch.int32)
+    idx, has = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([False, False])
+    with ops.backend(impl), pytest.raises(ValueError, match="query_start_loc"):
+        ops.selective_scan(x, dt, A, B, C, D, z, dt_bias, torch.zeros(2, 8, 4), qsl, idx, has)
+    with ops.backend(impl), pytest.raises(ValueError, match="query_start_loc"):  # the step's host copy
+        ops.selective_scan(x, dt, A, B, C, D, z, dt_bias, torch.zeros(2, 8, 4), qsl, idx, has,
+                           metadata={"query_start_loc_host": offsets})
+
+
 @gpu_only
 def test_selective_scan_130m_shapes_gpu(poison_empty):
     """mamba-130m's layer (d_inner 1,536, d_state 16): a 1,000-token prompt beside 64 decodes, bf16."""
