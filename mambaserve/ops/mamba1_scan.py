@@ -92,7 +92,7 @@ def _selective_scan_kernel(
         tl.store(y_ptr + t * stride_y_t + d * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
 
     if slot >= 0:
-        # this program alone read these rows of the slot, before the loop: no barrier needed
+        tl.debug_barrier()  # every thread's read of the old tile precedes any write (empty sequences)
         tl.store(s_ptrs, h.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
