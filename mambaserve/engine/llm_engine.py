@@ -108,12 +108,14 @@ class LLMEngine:
         self._inflight: _Step | None = None  # a decode step launched ahead (async scheduling)
 
     def _eos_ids(self) -> list[int]:
+        """The model config's EOS id(s) and the tokenizer's (vLLM stops on the tokenizer's; a
+        checkpoint whose two disagree ends its text with the tokenizer's)."""
         eos = getattr(self.runner.model.config, "eos_token_id", None)
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_token_id
-        if eos is None:
-            return []
-        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+        tok_eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if tok_eos is not None and tok_eos not in ids:
+            ids.append(int(tok_eos))
+        return ids
 
     def _generation_config_eos_ids(self) -> list[int]:
         """eos_token_id of the checkpoint's generation_config.json (an id or a list), or []."""

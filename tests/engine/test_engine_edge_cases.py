@@ -393,6 +393,37 @@ def test_generation_config_end_tokens_stop_requests():
     assert_pools_empty(llm)
 
 
+def test_the_tokenizers_eos_stops_requests_when_the_config_names_another():
+    """config.json and the tokenizer disagree on EOS (QwenLM/Qwen3 #927): as vLLM, the engine
+    stops on the tokenizer's too (the bundled demo model's tokenizer on a tiny checkpoint)."""
+    from transformers import AutoTokenizer
+
+    from mambaserve.config import default_model
+
+    name = "bamba"
+    prompts = prompts_for(name)
+    solo = make(name, max_num_seqs=1)
+    ref = [run(solo, [p])[0] for p in prompts]
+    end = ref[4][3]
+    path = _with_eos(name, 2)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{default_model()}/{f}", path)
+    with open(f"{path}/tokenizer_config.json") as f:
+        tok_cfg = json.load(f)
+    tok_cfg["eos_token"] = AutoTokenizer.from_pretrained(default_model()).convert_ids_to_tokens(end)
+    with open(f"{path}/tokenizer_config.json", "w") as f:
+        json.dump(tok_cfg, f)
+    llm = LLM(path, dtype="float32", device="cpu")
+    assert llm.get_tokenizer().eos_token_id == end
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=10),
+                        use_tqdm=False)
+    for o, r in zip(outs, ref):
+        cut = r.index(end) + 1 if end in r else None
+        assert o.outputs[0].token_ids == r[:cut]
+        assert o.outputs[0].finish_reason == ("stop" if cut else "length") and o.outputs[0].stop_reason is None
+    assert_pools_empty(llm)
+
+
 # ---------------------------------------------------------------- seeds across compositions
 # vLLM PR #16942 thread (generations changing with what else is in the batch)
 
