@@ -30,8 +30,17 @@ from mambaserve.ops.varlen import check_offsets, query_start_loc_host
 
 # Fixed launch config (never autotuned: the kernel writes live state in place). Channel blocks
 # are narrow so that a single long prompt still spreads over many programs (130M: 1,536
-# channels -> 48 programs per sequence).
-SCAN_CONFIG = {"block_d": 32, "num_warps": 2}
+# channels -> 48 programs per sequence). chunk: 0 walks the tokens one by one; c > 0 takes c
+# tokens at a time (one load of each operand, then a parallel prefix scan of the c steps:
+# log2(c) dependent steps instead of c, at twice the arithmetic) for the packed launcher. Not
+# yet measured on a GPU: `benchmarks/kernels.py --sweep` times both forms.
+SCAN_CONFIG = {"block_d": 32, "num_warps": 2, "chunk": 0}
+
+
+@triton.jit
+def _compose(a_first, b_first, a_then, b_then):
+    # two affine steps h -> a h + b, the first then the second: the scan's associative operator
+    return a_first * a_then, a_then * b_first + b_then
 
 
 @triton.jit
@@ -43,7 +52,7 @@ def _selective_scan_kernel(
     stride_B_t, stride_B_n, stride_C_t, stride_C_n, stride_z_t, stride_z_d, stride_y_t, stride_y_d,
     stride_s_slot, stride_s_d, stride_s_n,
     VARLEN: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_d = tl.program_id(0)  # fastest: neighbouring programs read neighbouring channels
     seq = tl.program_id(1)
@@ -76,20 +85,48 @@ def _selective_scan_kernel(
     s_ptrs = state_ptr + slot * stride_s_slot + d[:, None] * stride_s_d + n[None, :] * stride_s_n
     h = tl.load(s_ptrs, mask=(d < d_read)[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
 
-    for t in range(start, end):
-        x = tl.load(x_ptr + t * stride_x_t + d * stride_x_d, mask=d_mask, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + t * stride_dt_t + d * stride_dt_d, mask=d_mask, other=0.0).to(tl.float32) + dt_bias
-        if DT_SOFTPLUS:
-            dt = _softplus(dt)
-        Bv = tl.load(B_ptr + t * stride_B_t + n * stride_B_n, mask=n_mask, other=0.0).to(tl.float32)
-        Cv = tl.load(C_ptr + t * stride_C_t + n * stride_C_n, mask=n_mask, other=0.0).to(tl.float32)
-        # h_t = exp(dt A) h_{t-1} + dt x_t B_t (zero-order hold on A, Euler on B: section 3.2)
-        h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv[None, :]
-        y = tl.sum(h * Cv[None, :], axis=1) + Dv * x
-        if HAS_Z:
-            z = tl.load(z_ptr + t * stride_z_t + d * stride_z_d, mask=d_mask, other=0.0).to(tl.float32)
-            y = y * z * tl.sigmoid(z)
-        tl.store(y_ptr + t * stride_y_t + d * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+    if CHUNK == 0:
+        for t in range(start, end):
+            x = tl.load(x_ptr + t * stride_x_t + d * stride_x_d, mask=d_mask, other=0.0).to(tl.float32)
+            dt = tl.load(dt_ptr + t * stride_dt_t + d * stride_dt_d, mask=d_mask, other=0.0).to(tl.float32) + dt_bias
+            if DT_SOFTPLUS:
+                dt = _softplus(dt)
+            Bv = tl.load(B_ptr + t * stride_B_t + n * stride_B_n, mask=n_mask, other=0.0).to(tl.float32)
+            Cv = tl.load(C_ptr + t * stride_C_t + n * stride_C_n, mask=n_mask, other=0.0).to(tl.float32)
+            # h_t = exp(dt A) h_{t-1} + dt x_t B_t (zero-order hold on A, Euler on B: section 3.2)
+            h = tl.exp(dt[:, None] * A) * h + (dt * x)[:, None] * Bv[None, :]
+            y = tl.sum(h * Cv[None, :], axis=1) + Dv * x
+            if HAS_Z:
+                z = tl.load(z_ptr + t * stride_z_t + d * stride_z_d, mask=d_mask, other=0.0).to(tl.float32)
+                y = y * z * tl.sigmoid(z)
+            tl.store(y_ptr + t * stride_y_t + d * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=d_mask)
+    else:
+        r = tl.arange(0, CHUNK)
+        for t0 in range(start, end, CHUNK):
+            t = t0 + r  # (CHUNK,) token rows
+            t_mask = t < end
+            m = t_mask[:, None] & d_mask[None, :]
+            x = tl.load(x_ptr + t[:, None] * stride_x_t + d[None, :] * stride_x_d, mask=m, other=0.0).to(tl.float32)
+            dt = tl.load(dt_ptr + t[:, None] * stride_dt_t + d[None, :] * stride_dt_d, mask=m,
+                         other=0.0).to(tl.float32) + dt_bias[None, :]
+            if DT_SOFTPLUS:
+                dt = _softplus(dt)
+            dt = tl.where(t_mask[:, None], dt, 0.0)  # rows past the end: h -> 1 * h + 0
+            mn = t_mask[:, None] & n_mask[None, :]
+            Bv = tl.load(B_ptr + t[:, None] * stride_B_t + n[None, :] * stride_B_n, mask=mn, other=0.0).to(tl.float32)
+            Cv = tl.load(C_ptr + t[:, None] * stride_C_t + n[None, :] * stride_C_n, mask=mn, other=0.0).to(tl.float32)
+            # each token is the affine step h -> exp(dt A) h + dt x B; their prefix compositions
+            # applied to the state entering the chunk give the state after every token
+            decay = tl.exp(dt[:, :, None] * A[None, :, :])  # (CHUNK, BLOCK_D, BLOCK_N)
+            inject = (dt * x)[:, :, None] * Bv[:, None, :]
+            decay, inject = tl.associative_scan((decay, inject), 0, _compose)
+            hs = decay * h[None, :, :] + inject
+            y = tl.sum(hs * Cv[:, None, :], axis=2) + Dv[None, :] * x
+            if HAS_Z:
+                z = tl.load(z_ptr + t[:, None] * stride_z_t + d[None, :] * stride_z_d, mask=m, other=0.0).to(tl.float32)
+                y = y * z * tl.sigmoid(z)
+            tl.store(y_ptr + t[:, None] * stride_y_t + d[None, :] * stride_y_d, y.to(y_ptr.dtype.element_ty), mask=m)
+            h = tl.sum(tl.where((r == CHUNK - 1)[:, None, None], hs, 0.0), axis=0)  # rows past the end kept it
 
     if slot >= 0:
         tl.debug_barrier()  # every thread's read of the old tile precedes any write (empty sequences)
@@ -113,7 +150,8 @@ def _launch(varlen, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, 
         *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *zz.stride(), *y.stride(),
         *ssm_states.stride(),
         VARLEN=varlen, HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=bool(dt_softplus), BLOCK_D=cfg["block_d"], BLOCK_N=max(16, triton.next_power_of_2(dstate)),
+        DT_SOFTPLUS=bool(dt_softplus), CHUNK=cfg.get("chunk", 0) if varlen else 0,
+        BLOCK_D=cfg["block_d"], BLOCK_N=max(16, triton.next_power_of_2(dstate)),
         num_warps=cfg["num_warps"],
     )
     return y

@@ -45,6 +45,21 @@ def _inputs(T, dim, N, dtype, device, rank=3):
     return x, dt, A, B, C, D, z, dt_bias
 
 
+@pytest.fixture
+def backend_of(monkeypatch):
+    """impl name -> the ops backend to run; "triton-chunked" runs the kernel's chunked form
+    (4 tokens at a time: sequences over several chunks, ending inside one, shorter than one)."""
+    from mambaserve.ops import mamba1_scan
+
+    def select(impl):
+        if impl == "triton-chunked":
+            monkeypatch.setattr(mamba1_scan, "SCAN_CONFIG", {"block_d": 16, "num_warps": 4, "chunk": 4})
+            return "triton"
+        return impl
+
+    return select
+
+
 def _check_pool(ours, expected, before, idx, tol):
     written = {int(i) for i in idx if i >= 0}
     for slot in range(before.shape[0]):
@@ -55,10 +70,10 @@ def _check_pool(ours, expected, before, idx, tol):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "triton-chunked", "reference"])
 @pytest.mark.parametrize("dtype,pool_dtype,N", [(torch.float32, torch.float32, 16), (torch.bfloat16, torch.float32, 24),
                                                 (torch.bfloat16, torch.bfloat16, 16)])
-def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, poison_empty):
+def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, backend_of, poison_empty):
     dim, num_slots = 40, 11  # dim: one full channel block and a partial one
     # decodes (length 1, with a state), fresh prompts, chunks continuing a state, an empty sequence
     lens = [1, 1, 7, 1, 3, 0, 12, 1]
@@ -71,7 +86,7 @@ def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, poison_
         if idx[i] >= 0 and not has[i]:
             states[idx[i]] = float("nan")
     before, ours = states.clone(), states.clone()
-    with ops.backend(impl):
+    with ops.backend(backend_of(impl)):
         y = ops.selective_scan(x, dt, A, B, C, D, z, dt_bias, ours, qsl, idx, has)
     ref_y, ref_states = naive_scan(x, dt, A, B, C, D, z, dt_bias, torch.nan_to_num(states), lens, idx.cpu(), has.cpu())
     assert y.dtype == dtype and y.shape == x.shape
@@ -96,7 +111,7 @@ def test_selective_scan_update_decode(device, impl, dtype, poison_empty):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_selective_scan_without_optional_inputs(device, poison_empty):
+def test_selective_scan_without_optional_inputs(device, backend_of, poison_empty):
     """No D, z or dt_bias, and dt taken as it is (dt_softplus=False)."""
     lens, dim, N = [4, 1, 6], 33, 16
     qsl, T = packed(lens, device)
@@ -106,9 +121,9 @@ def test_selective_scan_without_optional_inputs(device, poison_empty):
     has = torch.tensor([False, True, True], device=device)
     states = torch.randn(3, dim, N, device=device)
     results = []
-    for impl in ("triton", "reference"):
+    for impl in ("triton", "reference", "triton-chunked"):
         pool = states.clone()
-        with ops.backend(impl):
+        with ops.backend(backend_of(impl)):
             results.append((ops.selective_scan(x, dt, A, B, C, None, None, None, pool, qsl, idx, has,
                                                dt_softplus=False), pool))
     # softplus^-1(dt) through the naive loop's softplus is the same dt
