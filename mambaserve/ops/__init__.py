@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import threading
 from typing import Iterator
 
@@ -371,7 +372,9 @@ def rms_norm_gated(
     shapes disagree.
     """
     _check(x.dim() == 2, lambda: f"x must be (num_tokens, hidden), got {tuple(x.shape)}")
-    _check(isinstance(group_size, int) and group_size > 0, lambda: f"group_size must be a positive int, got {group_size!r}")
+    _check(isinstance(group_size, numbers.Integral) and group_size > 0,
+           lambda: f"group_size must be a positive int, got {group_size!r}")
+    group_size = int(group_size)  # a numpy integer is not a Triton kernel argument
     _check(x.shape[1] % group_size == 0, lambda: f"hidden ({x.shape[1]}) must be a multiple of group_size ({group_size})")
     _check(weight.shape == (x.shape[1],), "weight must be (hidden,)")
     _check(z is None or z.shape == x.shape, "z must have the shape of x")

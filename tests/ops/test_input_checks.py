@@ -6,6 +6,7 @@ crash of the interpreter's process) instead of failing. Each case here runs the 
 reference and on the Triton backend (the interpreter on CPU tensors).
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -96,7 +97,7 @@ def test_conv_ops_check_bias_and_state_layout(device, backend):
 def test_rms_norm_gated_checks_group_size(device, backend):
     x, w = torch.randn(3, 10, device=device), torch.randn(10, device=device)
     with ops.backend(backend):
-        for group_size in (0, -5, 2.5):
+        for group_size in (0, -5, 2.5, "4"):
             with pytest.raises(ValueError, match="group_size"):
                 ops.rms_norm_gated(x, w, None, 1e-5, group_size)
 
@@ -120,3 +121,14 @@ def test_paged_attention_reference_checks_lengths_as_the_kernel_does(device):
             ops.paged_attention(**dict(args, seq_lens=torch.tensor([1, 4], dtype=torch.int32, device=device)))
         with pytest.raises(ValueError, match="block_table"):
             ops.paged_attention(**dict(args, seq_lens=torch.tensor([2, 13], dtype=torch.int32, device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rms_norm_gated_takes_a_numpy_group_size(device, backend):
+    """A group size computed from config arrays (a numpy integer) works on both backends."""
+    x, w = torch.randn(3, 8, device=device), torch.randn(8, device=device)
+    with ops.backend(backend):
+        out = ops.rms_norm_gated(x, w, None, 1e-5, np.int64(4))
+    with ops.backend("reference"):
+        assert torch.allclose(out, ops.rms_norm_gated(x, w, None, 1e-5, 4), rtol=1e-5, atol=1e-6)
