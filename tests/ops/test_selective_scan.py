@@ -168,8 +168,10 @@ def test_selective_scan_bad_offsets_are_value_errors(impl, offsets):
 
 
 @gpu_only
-def test_selective_scan_130m_shapes_gpu(poison_empty):
+@pytest.mark.parametrize("impl", ["triton", "triton-chunked"])
+def test_selective_scan_130m_shapes_gpu(impl, backend_of, poison_empty):
     """mamba-130m's layer (d_inner 1,536, d_state 16): a 1,000-token prompt beside 64 decodes, bf16."""
+    backend_of(impl)
     lens = [1] * 64 + [1000, 37]
     qsl, T = packed(lens, "cuda")
     idx = random_slots(len(lens), 80, padding=[5], device="cuda")
