@@ -158,7 +158,7 @@ def rms_norm_gated_triton(
     rr = residual if residual is not None else x
     grid = (triton.cdiv(num_rows, block_m), hidden // group_size)
     _rms_norm_gated_kernel[grid](
-        x, weight, zz, out, rr, num_rows, group_size, eps, float(alpha),
+        x, weight, zz, out, rr, num_rows, group_size, float(eps), float(alpha),
         1 if parts is None else parts.shape[0],
         x.stride(0), zz.stride(0), out.stride(0), rr.stride(0), 0 if parts is None else parts.stride(0),
         HAS_Z=z is not None, NORM_BEFORE_GATE=bool(norm_before_gate), SINGLE_PASS=single,

@@ -278,8 +278,8 @@ def router_topk_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
         _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, be), splits)](
             x, router_weight, part, hidden, num_experts, x.stride(0), router_weight.stride(0), BLOCK_E=be, BLOCK_H=bh)
         _router_topk_kernel[(num_tokens,)](
-            part, weights, ids, num_experts, splits, OUT_DTYPE=_TL_DTYPES[x.dtype], TOP_K=top_k,
-            NUM_SHARED=num_shared, BLOCK_E=block_e, num_warps=2 if block_e <= 64 else 4)
+            part, weights, ids, num_experts, splits, OUT_DTYPE=_TL_DTYPES[x.dtype], TOP_K=int(top_k),
+            NUM_SHARED=int(num_shared), BLOCK_E=block_e, num_warps=2 if block_e <= 64 else 4)
     return weights, ids
 
 
@@ -293,7 +293,7 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype
     if num_tokens:
         block_e = _next_pow2(num_experts)
         _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
-                                            TOP_K=top_k, NUM_SHARED=num_shared, BLOCK_E=block_e,
+                                            TOP_K=int(top_k), NUM_SHARED=int(num_shared), BLOCK_E=block_e,
                                             num_warps=2 if block_e <= 64 else 4)
     return weights, ids
 

@@ -125,10 +125,20 @@ def test_paged_attention_reference_checks_lengths_as_the_kernel_does(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rms_norm_gated_takes_a_numpy_group_size(device, backend):
-    """A group size computed from config arrays (a numpy integer) works on both backends."""
+def test_numpy_scalar_arguments(device, backend):
+    """Sizes and constants computed from config arrays (numpy scalars) work on both backends:
+    the Triton launchers took them as kernel arguments and failed ("cannot convert")."""
     x, w = torch.randn(3, 8, device=device), torch.randn(8, device=device)
+    logits, router = torch.randn(3, 6, device=device), torch.randn(6, 8, device=device)
     with ops.backend(backend):
-        out = ops.rms_norm_gated(x, w, None, 1e-5, np.int64(4))
+        normed = ops.rms_norm_gated(x, w, None, np.float32(1e-5), np.int64(4))
+        added = ops.fused_add_rms_norm(x, x.clone(), w, np.float32(1e-5))
+        routed = ops.topk_softmax(logits, np.int64(2), num_shared=np.int64(1))
+        routed_x = ops.router_topk(x, router, np.int64(2), num_shared=np.int64(1))
     with ops.backend("reference"):
-        assert torch.allclose(out, ops.rms_norm_gated(x, w, None, 1e-5, 4), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(normed, ops.rms_norm_gated(x, w, None, 1e-5, 4), rtol=1e-5, atol=1e-6)
+        assert torch.allclose(added, ops.fused_add_rms_norm(x, x.clone(), w, 1e-5), rtol=1e-5, atol=1e-6)
+        for ours, theirs in ((routed, ops.topk_softmax(logits, 2, num_shared=1)),
+                             (routed_x, ops.router_topk(x, router, 2, num_shared=1))):
+            assert torch.equal(ours[1].long(), theirs[1].long())
+            assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
