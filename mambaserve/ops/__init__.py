@@ -222,7 +222,9 @@ def mamba_chunk_scan(
     chunk_size only matters to the kernels. Raises ValueError on inconsistent shapes.
     """
     _check_ssm(x, dt, A, B, C, D, z, dt_bias, ssm_states)
-    _check(isinstance(chunk_size, int) and chunk_size > 0, lambda: f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check(isinstance(chunk_size, numbers.Integral) and not isinstance(chunk_size, bool) and chunk_size > 0,
+           lambda: f"chunk_size must be a positive int, got {chunk_size!r}")
+    chunk_size = int(chunk_size)  # a numpy integer is not a Triton kernel argument
     _check_batch(query_start_loc, state_indices, has_initial_state)
     if _use_triton(x):
         from mambaserve.ops.ssd import mamba_chunk_scan_triton
@@ -372,7 +374,7 @@ def rms_norm_gated(
     shapes disagree.
     """
     _check(x.dim() == 2, lambda: f"x must be (num_tokens, hidden), got {tuple(x.shape)}")
-    _check(isinstance(group_size, numbers.Integral) and group_size > 0,
+    _check(isinstance(group_size, numbers.Integral) and not isinstance(group_size, bool) and group_size > 0,
            lambda: f"group_size must be a positive int, got {group_size!r}")
     group_size = int(group_size)  # a numpy integer is not a Triton kernel argument
     _check(x.shape[1] % group_size == 0, lambda: f"hidden ({x.shape[1]}) must be a multiple of group_size ({group_size})")

@@ -130,12 +130,16 @@ def test_numpy_scalar_arguments(device, backend):
     the Triton launchers took them as kernel arguments and failed ("cannot convert")."""
     x, w = torch.randn(3, 8, device=device), torch.randn(8, device=device)
     logits, router = torch.randn(3, 6, device=device), torch.randn(6, 8, device=device)
+    scan_args = _packed_scan(device, [0, 2, 5])
+    scan_states = scan_args["ssm_states"].clone()
     with ops.backend(backend):
+        scanned = ops.mamba_chunk_scan(**dict(scan_args, chunk_size=np.int64(4)))
         normed = ops.rms_norm_gated(x, w, None, np.float32(1e-5), np.int64(4))
         added = ops.fused_add_rms_norm(x, x.clone(), w, np.float32(1e-5))
         routed = ops.topk_softmax(logits, np.int64(2), num_shared=np.int64(1))
         routed_x = ops.router_topk(x, router, np.int64(2), num_shared=np.int64(1))
     with ops.backend("reference"):
+        assert torch.allclose(scanned, ops.mamba_chunk_scan(**dict(scan_args, ssm_states=scan_states)), rtol=1e-4, atol=1e-5)
         assert torch.allclose(normed, ops.rms_norm_gated(x, w, None, 1e-5, 4), rtol=1e-5, atol=1e-6)
         assert torch.allclose(added, ops.fused_add_rms_norm(x, x.clone(), w, 1e-5), rtol=1e-5, atol=1e-6)
         for ours, theirs in ((routed, ops.topk_softmax(logits, 2, num_shared=1)),
