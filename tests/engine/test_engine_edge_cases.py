@@ -58,7 +58,7 @@ def alone_edge():
     return get
 
 
-@pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied", "nemotron-h", "zamba2"])
+@pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied", "nemotron-h", "zamba2", "mamba1-untied"])
 @pytest.mark.parametrize("budget", [3, 8, 9])
 def test_prompts_around_conv_width_and_chunk_size(name, budget, alone_edge):
     """Budgets 3 (chunks shorter than the conv state), 8 (chunks of exactly the SSD chunk size)
@@ -524,4 +524,65 @@ def test_streaming_outputs_grow_and_end_as_generate(alone):
                 assert all(c.finish_reason == "length" for c in out.outputs)
                 finished[out.request_id] = toks
     assert finished == {f"s{i}": [ref[i]] * (2 if i % 2 else 1) for i in range(len(prompts))}
+    assert_pools_empty(llm)
+
+
+# ---------------------------------------------------------------- everything at once
+
+def _random_params(rng):
+    kw = dict(max_tokens=rng.choice([1, 2, 5, 10, None]), ignore_eos=rng.random() < 0.5)
+    if rng.random() < 0.5:
+        kw["temperature"] = 0.0
+    else:
+        kw.update(temperature=rng.choice([0.5, 1.0, 1.5]), seed=rng.randrange(1000), top_k=rng.choice([0, 5, 50]),
+                  top_p=rng.choice([1.0, 0.8]))
+    if rng.random() < 0.3:
+        kw["repetition_penalty"] = rng.choice([0.7, 1.5])
+    if rng.random() < 0.3:
+        kw["presence_penalty"] = 1.0
+    if rng.random() < 0.3:
+        kw["stop_token_ids"] = rng.sample(range(3, 100), 8)
+    if rng.random() < 0.3 and kw["max_tokens"] not in (None, 1):
+        kw["min_tokens"] = rng.randint(1, kw["max_tokens"])
+    if rng.random() < 0.3:
+        kw["logprobs"] = rng.choice([0, 2])
+    return SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("name", ["granite-moe", "zamba2"])
+def test_random_workload_equals_each_request_alone(name):
+    """Requests with random prompts and sampling params (greedy or seeded, penalties, stop
+    tokens, min_tokens, logprobs, no max_tokens) arrive at random steps into an engine with a
+    small budget, few state slots and a KV pool that forces preemption; some are aborted. Each
+    finished one must equal its request run alone; the pools must end empty. A fresh seed per
+    run (printed on failure)."""
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    vocab = hf_model(name).config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (1, 2, 3, 4, 7, 8, 9, 17, 30)]
+    solo = make(name, max_num_seqs=1, max_model_len=48)
+    llm = make(name, max_model_len=48, max_num_batched_tokens=rng.randint(1, 12), block_size=4, num_kv_blocks=12,
+               num_state_slots=rng.randint(2, 6), async_scheduling=rng.random() < 0.7)
+    e = llm.llm_engine
+    live, step = {}, 0
+    while step < 40 or e.has_unfinished_requests():
+        assert step < 600, f"seed {seed}: no progress"
+        if step < 40 and rng.random() < 0.4:
+            live[f"r{step}"] = (rng.randrange(len(prompts)), _random_params(rng))
+            e.add_request(f"r{step}", {"prompt_token_ids": prompts[live[f"r{step}"][0]]}, live[f"r{step}"][1])
+        if live and rng.random() < 0.05:
+            rid = rng.choice(sorted(live))
+            assert e.abort_request(rid)
+            del live[rid]
+        for out in e.step():
+            if out.finished:
+                i, params = live.pop(out.request_id)
+                want = solo.generate({"prompt_token_ids": prompts[i]}, params, use_tqdm=False)[0].outputs[0]
+                got = out.outputs[0]
+                assert (got.token_ids, got.finish_reason, got.stop_reason) == \
+                    (want.token_ids, want.finish_reason, want.stop_reason), f"seed {seed}, {params}"
+                if params.logprobs is not None:
+                    assert [list(d) for d in got.logprobs] == [list(d) for d in want.logprobs], f"seed {seed}"
+        step += 1
+    assert not live
     assert_pools_empty(llm)
