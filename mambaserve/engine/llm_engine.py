@@ -156,6 +156,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        # a private copy, validated again: the caller may change or reuse its object while this
+        # request runs (vLLM copies it too), and a field set to nonsense after creation is refused
+        params = dataclasses.replace(params)
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -586,3 +586,25 @@ def test_random_workload_equals_each_request_alone(name):
         step += 1
     assert not live
     assert_pools_empty(llm)
+
+
+def test_sampling_params_changed_after_submission_do_not_reach_the_request(alone):
+    """vLLM PR #2881 (defensively copy sampling params): a caller that reuses and changes its
+    SamplingParams object while a request runs must not change that request; a field set to
+    nonsense after creation is refused when the request is added, leaving the engine clean."""
+    name = "granite-moe"
+    prompts, ref = prompts_for(name), alone(name)
+    llm = make(name)
+    e = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    e.add_request("a", {"prompt_token_ids": prompts[3]}, params)
+    e.step()
+    params.max_tokens, params.temperature = 2, 1.0
+    params.stop_token_ids.append(ref[3][4])
+    e.add_request("b", {"prompt_token_ids": prompts[2]}, params)
+    params.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens"):
+        e.add_request("c", {"prompt_token_ids": prompts[1]}, params)
+    done = drive(e, {})
+    assert done["a"] == [ref[3]] and len(done["b"][0]) <= 2
+    assert_pools_empty(llm)
