@@ -85,6 +85,21 @@ def test_short_prompts_in_slots_just_freed_by_long_requests(name, alone):
     assert_pools_empty(llm)
 
 
+@pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied", "zamba2", "mamba1"])
+def test_non_finite_leftovers_in_slots_and_blocks_are_never_read(name, alone):
+    """vLLM PR #56196: a chunk reading a block a previous occupant left non-finite gave NaN
+    logits. Every state slot and KV block starts full of NaN here: a new request (no initial
+    state) and the unused tail of a KV block must not reach the output, not even as NaN * 0."""
+    prompts, ref = prompts_for(name), alone(name)
+    for kw in (dict(), dict(max_num_batched_tokens=5, block_size=4, num_kv_blocks=12, max_model_len=48)):
+        llm = make(name, **kw)
+        caches = llm.llm_engine.runner.caches
+        for t in [t for pair in caches.mamba + caches.kv for t in pair]:
+            t.fill_(float("nan"))
+        assert run(llm, prompts) == ref
+        assert_pools_empty(llm)
+
+
 # ---------------------------------------------------------------- n > 1, identical prompts
 # vLLM PR #16942 thread (the same input repeated across a batch generating differently with
 # chunked prefill), vLLM #57267 (different outputs for the same batch with prefix caching)
