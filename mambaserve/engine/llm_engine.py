@@ -218,8 +218,9 @@ class LLMEngine:
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
     def abort_request(self, request_id: str) -> bool:
-        """Abort a request and free its slots and blocks. Returns False for an unknown id."""
-        req = self.requests.pop(request_id, None)
+        """Abort a request and free its slots and blocks. Returns False for an unknown id. The id
+        is taken as add_request takes it (str(request_id)): an int id aborts its request."""
+        req = self.requests.pop(str(request_id), None)
         if req is None:
             return False
         for seq in req.seqs:

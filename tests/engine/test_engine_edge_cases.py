@@ -156,6 +156,8 @@ def test_aborts_while_waiting_mid_prefill_and_after_one_completion_finished(alon
     assert 0 < long_seq.num_computed_tokens < len(prompts[5])  # mid-prefill
     assert e.requests["queued"].seqs[0].state_slot is None  # still waiting
     assert e.abort_request("long") and e.abort_request("queued")
+    e.add_request(7, {"prompt_token_ids": prompts[0]}, GREEDY)  # ids are strings: 7 is "7"
+    assert e.abort_request(7) and not e.abort_request("7")
     done = {}
     for _ in range(200):
         if not e.has_unfinished_requests():
