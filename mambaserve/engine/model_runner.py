@@ -154,7 +154,18 @@ class ModelRunner:
         block_bytes = bytes_per_block(self.spec, self.block_size, self.dtype)
         # One spare slot is kept for CUDA-graph padding rows, never handed to a request.
         wanted_seqs = cfg.resolved_max_num_seqs()
+        if self.max_num_batched_tokens < wanted_seqs:
+            # more running decodes than tokens per step would starve the newest ones; clamped
+            # before sizing, so that slots no request can hold do not take the KV blocks' bytes
+            logger.warning("max_num_seqs clamped from %d to max_num_batched_tokens=%d", wanted_seqs,
+                           self.max_num_batched_tokens)
+            wanted_seqs = self.max_num_batched_tokens
         wanted_slots = cfg.num_state_slots or (wanted_seqs + 1)
+        if cfg.num_state_slots is None and budget < 2 * slot_bytes:
+            raise ValueError(
+                f"the cache budget of {max(budget, 0)} bytes holds fewer than two state slots of {slot_bytes} bytes "
+                "(one request's and the scratch slot); raise "
+                f"{'gpu_memory_utilization' if on_gpu else 'cpu_cache_bytes'}")
         num_blocks = 0
         if self.has_attention:
             if cfg.num_kv_blocks is None and cfg.max_model_len is None:
@@ -183,11 +194,6 @@ class ModelRunner:
             (logger.warning if cfg.max_num_seqs is not None else logger.info)(
                 "max_num_seqs clamped from %d to %d: only %d state slots fit in the budget",
                 wanted_seqs, max_num_seqs, num_slots)
-        if self.max_num_batched_tokens < max_num_seqs:
-            # more running decodes than tokens per step would starve the newest ones
-            logger.warning("max_num_seqs clamped from %d to max_num_batched_tokens=%d", max_num_seqs,
-                           self.max_num_batched_tokens)
-            max_num_seqs = self.max_num_batched_tokens
         if not cfg.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
             raise ValueError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
                              f"must be at least max_model_len ({max_model_len})")

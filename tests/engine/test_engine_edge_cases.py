@@ -225,6 +225,22 @@ def test_preemption_without_chunked_prefill(name, alone):
     assert_pools_empty(llm)
 
 
+def test_max_num_seqs_above_the_step_budget_and_a_budget_below_two_slots():
+    """max_num_seqs above max_num_batched_tokens is clamped to it (more decodes than tokens per
+    step would starve the newest): the pools are sized for the clamped count, as if it had been
+    asked for, not for slots no request can hold. A cache budget that cannot hold one request's
+    slot beside the scratch slot is refused, also for a model without attention (it used to be
+    overrun with two slots)."""
+    name = "granite-moe"
+    big = make(name, max_num_seqs=10_000, max_num_batched_tokens=16).llm_engine.runner
+    asked = make(name, max_num_seqs=16, max_num_batched_tokens=16).llm_engine.runner
+    assert big.max_num_seqs == 16
+    assert (big.num_slots, big.num_blocks) == (asked.num_slots, asked.num_blocks) and asked.num_slots == 17
+    for name in ("mamba2-untied", "granite-moe"):
+        with pytest.raises(ValueError, match="fewer than two state slots"):
+            make(name, cpu_cache_bytes=1000)
+
+
 # ---------------------------------------------------------------- mixed steps in every order
 # vLLM PR #17146 / #16942 (prefill and decode requests split inside the mamba layer)
 
