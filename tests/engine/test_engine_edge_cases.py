@@ -272,7 +272,6 @@ def test_repetition_penalty_equals_transformers_and_alone(name):
     # a repetitive prompt: the penalty has something to act on from the first token
     prompts.append((prompts[0] * 6)[:15])
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.8)
-    limit = tuple(getattr(hf.config, "time_step_limit", None) or (0.0, float("inf")))
     refs = []
     for p in prompts:
         ids = list(p)
@@ -284,7 +283,6 @@ def test_repetition_penalty_equals_transformers_and_alone(name):
                 logits[seen] = torch.where(v > 0, v / 1.8, v * 1.8)
                 ids.append(int(logits.argmax()))
         refs.append(ids[len(p):])
-    del limit
     plain = run(make(name, max_num_seqs=1), prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     assert plain != refs  # the penalty changes something
     for kw in (dict(max_num_seqs=1), dict(max_num_batched_tokens=5),
