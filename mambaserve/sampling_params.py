@@ -8,6 +8,7 @@ vocabulary are checked by the engine, which knows those limits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Temperatures below this are greedy: dividing logits by them would overflow float32.
@@ -33,7 +34,8 @@ def _is_int(x) -> bool:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    """A finite int or float (not a bool): inf or NaN in a sampling parameter turns logits into NaN."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
