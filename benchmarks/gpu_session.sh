@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests     # 1: every GPU test, bamba-9b throughput by step kind, a step profile (~9 min)
 #   bash benchmarks/gpu_session.sh kernels   # bamba-9b step profiles, the Mamba kernel benchmarks, the decode MoE sweep (~7 min)
 #   bash benchmarks/gpu_session.sh async     # granite batch-1 latency with and without async scheduling (~2 min)
+#   bash benchmarks/gpu_session.sh verify    # all GPU tests (ops, engine, parity); mamba-130m latency and scan sweep (~8 min)
 #   bash benchmarks/gpu_session.sh engine    # 2: the three issue-7 models, graphed, transformers, eager (9.5 min)
 #   bash benchmarks/gpu_session.sh families  # 3: zamba2-2.7b and nemotron-h-8b latency (issue 11, ~5 min)
 # A part cut short by its budget: `run_h200.py --resume` (see its docstring) completes it.
@@ -47,6 +48,20 @@ case "${1:-}" in
         --output-json "$OUT/latency-granite-in$2${1/--/-}.json" 2>&1 | grep -E "^Avg latency|decode time|Error" | sed "s/^/[in$2 $1] /"
     done
     timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 tests/engine/test_gpu.py -k "async" 2>&1 | tail -3
+    ;;
+  verify)
+    timeout 260 python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops tests/engine/test_gpu.py tests/models/test_demo_model.py \
+      2>&1 | tee "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" | tail -15
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 tests/models tests/engine -k "cuda or gpu" \
+      --ignore tests/engine/test_gpu.py 2>&1 | tee -a "$OUT/gpu-tests.log" | grep -E "passed|failed|FAILED|Error" | tail -15
+    timeout 60 python3 benchmarks/kernels.py --only selective_scan --sweep --output-json "$OUT/kernels-mamba1.json" 2>&1 | tail -12
+    for run in "1 " "32 " "1 --enforce-eager"; do
+      set -- $run
+      timeout 60 python3 -m mambaserve.entrypoints.cli bench latency --model benchmarks/configs/mamba-130m.json --load-format dummy \
+        --dtype bfloat16 --input-len 1024 --output-len 128 --batch-size "$1" --num-iters-warmup 2 --num-iters 3 \
+        --max-model-len 2048 --skip-tokenizer-init --disable-tqdm ${2:-} --output-json "$OUT/latency-mamba-130m-bs$1${2:+-eager}.json" 2>&1 \
+        | grep -E "^Avg latency|decode time|Error" | sed "s/^/[mamba-130m bs$1 ${2:-}] /"
+    done
     ;;
   engine)
     timeout 570 python3 benchmarks/run_h200.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
