@@ -344,12 +344,13 @@ class Mamba1Layer:
         self.D = torch.randn(M1_D_INNER, device=DEV, generator=g)
         self.dt_bias = torch.randn(M1_D_INNER, device=DEV, generator=g)
         self.states = torch.randn(batch + 8, M1_D_INNER, M1_DSTATE, device=DEV, generator=g)
+        self.metadata: dict = {}  # per-step host copies, filled by the first (uncaptured) call
         self.bytes = (T * (4 * M1_D_INNER + 2 * M1_DSTATE) * 2  # x, z, dt, y, B, C
                       + (int(self.has.sum()) + batch) * M1_D_INNER * M1_DSTATE * 4)
 
     def scan(self):
         return ops.selective_scan(self.x, self.dt, self.A, self.B, self.C, self.D, self.z, self.dt_bias, self.states,
-                                  self.qsl, self.idx, self.has)
+                                  self.qsl, self.idx, self.has, metadata=self.metadata)
 
     def update(self):
         return ops.selective_scan_update(self.states, self.x, self.dt, self.A, self.B, self.C, self.D, self.z,
