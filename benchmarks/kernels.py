@@ -401,9 +401,9 @@ SWEEPS = [  # (case name, module, config attribute, variants); the first variant
         {"block_d": 8, "num_warps": 1, "chunk": 0}, {"block_d": 16, "num_warps": 4, "chunk": 16},
         {"block_d": 8, "num_warps": 4, "chunk": 32}, {"block_d": 16, "num_warps": 8, "chunk": 32},
         {"block_d": 32, "num_warps": 8, "chunk": 16}]),
-    ("selective_scan_update decode 256", mamba1_scan_mod, "SCAN_CONFIG", [
-        {"block_d": 32, "num_warps": 2, "chunk": 0}, {"block_d": 64, "num_warps": 4, "chunk": 0},
-        {"block_d": 128, "num_warps": 4, "chunk": 0}]),
+    ("selective_scan_update decode 256", mamba1_scan_mod, "UPDATE_CONFIG", [
+        {"block_d": 32, "num_warps": 2}, {"block_d": 64, "num_warps": 4}, {"block_d": 128, "num_warps": 4},
+        {"block_d": 16, "num_warps": 1}]),
     ("causal_conv1d_update decode 256", conv1d_mod, "UPDATE_CONFIG", [
         {"block_d": 256, "num_warps": 4}, {"block_d": 512, "num_warps": 4}, {"block_d": 1024, "num_warps": 8}]),
 ]

@@ -28,13 +28,16 @@ import triton.language as tl
 from mambaserve.ops.state_update import _softplus
 from mambaserve.ops.varlen import check_offsets, query_start_loc_host
 
-# Fixed launch config (never autotuned: the kernel writes live state in place). Channel blocks
-# are narrow so that a single long prompt still spreads over many programs (130M: 1,536
-# channels -> 48 programs per sequence). chunk: 0 walks the tokens one by one; c > 0 takes c
-# tokens at a time (one load of each operand, then a parallel prefix scan of the c steps:
-# log2(c) dependent steps instead of c, at twice the arithmetic) for the packed launcher. Not
-# yet measured on a GPU: `benchmarks/kernels.py --sweep` times both forms.
-SCAN_CONFIG = {"block_d": 32, "num_warps": 2, "chunk": 0}
+# Fixed launch configs (never autotuned: the kernel writes live state in place). chunk: 0 walks
+# the tokens one by one; c > 0 takes c tokens at a time (one load of each operand, then a
+# parallel prefix scan of the c steps: log2(c) dependent steps instead of c, at twice the
+# arithmetic). Narrow channel blocks spread a single long prompt over many programs (130M:
+# 1,536 channels -> 192 programs per sequence). Measured on an H200 at mamba-130m's shapes
+# (benchmarks/results/session4/kernels-mamba1.json): a 2,048-token prefill takes 285 us in
+# chunks of 32 against 1,148-3,400 us token by token; decode at batch 256 takes 21 us with
+# 32-channel blocks against 55 us with 8-channel ones.
+SCAN_CONFIG = {"block_d": 8, "num_warps": 4, "chunk": 32}  # the packed (prefill + decode) launch
+UPDATE_CONFIG = {"block_d": 32, "num_warps": 2}  # the decode-only launch (always token by token)
 
 
 @triton.jit
@@ -139,7 +142,7 @@ def _launch(varlen, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, 
     batch = state_indices.shape[0]
     if batch == 0 or dim == 0:
         return y
-    cfg = SCAN_CONFIG
+    cfg = SCAN_CONFIG if varlen else UPDATE_CONFIG
     zz = z if z is not None else x
     grid = (triton.cdiv(dim, cfg["block_d"]), batch)
     _selective_scan_kernel[grid](

@@ -47,15 +47,17 @@ def _inputs(T, dim, N, dtype, device, rank=3):
 
 @pytest.fixture
 def backend_of(monkeypatch):
-    """impl name -> the ops backend to run; "triton-chunked" runs the kernel's chunked form
-    (4 tokens at a time: sequences over several chunks, ending inside one, shorter than one)."""
+    """impl name -> the ops backend to run; "triton" is the default config (chunks of 32 tokens);
+    "triton-chunked" runs chunks of 4 tokens (sequences over several chunks, ending inside one,
+    shorter than one); "triton-sequential" walks the tokens one by one."""
     from mambaserve.ops import mamba1_scan
 
     def select(impl):
         if impl == "triton-chunked":
             monkeypatch.setattr(mamba1_scan, "SCAN_CONFIG", {"block_d": 16, "num_warps": 4, "chunk": 4})
-            return "triton"
-        return impl
+        if impl == "triton-sequential":
+            monkeypatch.setattr(mamba1_scan, "SCAN_CONFIG", {"block_d": 16, "num_warps": 2, "chunk": 0})
+        return "triton" if impl.startswith("triton") else impl
 
     return select
 
@@ -70,7 +72,7 @@ def _check_pool(ours, expected, before, idx, tol):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", ["triton", "triton-chunked", "reference"])
+@pytest.mark.parametrize("impl", ["triton", "triton-chunked", "triton-sequential", "reference"])
 @pytest.mark.parametrize("dtype,pool_dtype,N", [(torch.float32, torch.float32, 16), (torch.bfloat16, torch.float32, 24),
                                                 (torch.bfloat16, torch.bfloat16, 16)])
 def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, backend_of, poison_empty):
@@ -121,7 +123,7 @@ def test_selective_scan_without_optional_inputs(device, backend_of, poison_empty
     has = torch.tensor([False, True, True], device=device)
     states = torch.randn(3, dim, N, device=device)
     results = []
-    for impl in ("triton", "reference", "triton-chunked"):
+    for impl in ("triton", "reference", "triton-chunked", "triton-sequential"):
         pool = states.clone()
         with ops.backend(backend_of(impl)):
             results.append((ops.selective_scan(x, dt, A, B, C, None, None, None, pool, qsl, idx, has,
@@ -168,7 +170,7 @@ def test_selective_scan_bad_offsets_are_value_errors(impl, offsets):
 
 
 @gpu_only
-@pytest.mark.parametrize("impl", ["triton", "triton-chunked"])
+@pytest.mark.parametrize("impl", ["triton", "triton-chunked", "triton-sequential"])
 def test_selective_scan_130m_shapes_gpu(impl, backend_of, poison_empty):
     """mamba-130m's layer (d_inner 1,536, d_state 16): a 1,000-token prompt beside 64 decodes, bf16."""
     backend_of(impl)
