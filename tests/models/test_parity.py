@@ -143,11 +143,13 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("name", ["granite-moe-absorbed", "granite-moe", "mamba2", "mamba1", "mamba1-untied"])
 def test_triton_kernels_match_the_reference_ops_in_a_model(name):
-    """The whole model on the Triton path (the interpreter on CPU): fused add + norm, split-K
-    out_proj partials, the decode MoE and router kernels, against the reference ops, float32."""
+    """The whole model on the Triton path (the interpreter on CPU, compiled kernels on a GPU):
+    fused add + norm, split-K out_proj partials, the decode MoE and router kernels, against the
+    reference ops, float32."""
     from mambaserve import ops
 
-    ours = load_model(checkpoint(name), dtype="float32")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ours = load_model(checkpoint(name), dtype="float32", device=device)
     vocab = ours.config.vocab_size
     lens = [1, 3, 11]
     prompts = [torch.randint(3, vocab, (n,)).tolist() for n in lens]
@@ -159,7 +161,7 @@ def test_triton_kernels_match_the_reference_ops_in_a_model(name):
     ]
     results = {}
     for name_ in ("reference", "triton"):
-        h = Harness(ours, len(lens), max(lens) + 3)
+        h = Harness(ours, len(lens), max(lens) + 3, device=device)
         with ops.backend(name_):
             results[name_] = [h.step(chunks) for chunks in steps]
     for step, chunks in enumerate(steps):
