@@ -17,6 +17,7 @@ from torch import nn
 
 from mambaserve.layers.attention import Attention, AttentionCacheShape
 from mambaserve.layers.mamba2 import Mamba2Mixer, MambaStateShape
+from mambaserve.layers.norm import RMSNorm
 
 
 @dataclass
@@ -161,3 +162,14 @@ class HybridForCausalLM(nn.Module):
                 # Draw on the parameter's device in chunks: fast for multi-GB models on the GPU.
                 g = torch.Generator(device=p.device).manual_seed(seed + zlib.crc32(name.encode()))
                 p.normal_(0.0, std, generator=g)
+
+
+class MambaBackbone(nn.Module):
+    """transformers' `backbone` of the pure-SSM families (Mamba-1, Mamba2): `embeddings`, the
+    blocks `layers.{i}` built by `block(config, i)`, and the final RMSNorm `norm_f`."""
+
+    def __init__(self, config, block):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)

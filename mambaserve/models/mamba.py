@@ -18,7 +18,7 @@ from torch import nn
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.mamba1 import MambaMixer
 from mambaserve.layers.norm import RMSNorm
-from mambaserve.models.base import CacheSpec, HybridForCausalLM
+from mambaserve.models.base import CacheSpec, HybridForCausalLM, MambaBackbone
 
 
 class _Block(nn.Module):
@@ -38,14 +38,6 @@ class _Block(nn.Module):
         )
 
 
-class _Backbone(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_Block(config, i) for i in range(config.num_hidden_layers))
-        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-
-
 class MambaForCausalLM(HybridForCausalLM):
     """Mamba-1: pre-norm Mamba-1 mixers. forward(input_ids (T,), positions (T,), ctx) ->
     final-normed hidden (T, hidden) in the model dtype; positions are unused.
@@ -59,7 +51,7 @@ class MambaForCausalLM(HybridForCausalLM):
         if getattr(config, "rms_norm", True) is False:
             raise ValueError("MambaForCausalLM with rms_norm=false (LayerNorm blocks) is not supported")
         self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", True))
-        self.backbone = _Backbone(config)
+        self.backbone = MambaBackbone(config, _Block)
         self.make_lm_head(self.backbone.embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

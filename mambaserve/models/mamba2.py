@@ -12,7 +12,7 @@ from torch import nn
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.norm import RMSNorm
-from mambaserve.models.base import HybridForCausalLM, dt_limit
+from mambaserve.models.base import HybridForCausalLM, MambaBackbone, dt_limit
 
 
 class _Block(nn.Module):
@@ -36,21 +36,13 @@ class _Block(nn.Module):
         )
 
 
-class _Backbone(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(_Block(config, i) for i in range(config.num_hidden_layers))
-        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-
-
 class Mamba2ForCausalLM(HybridForCausalLM):
     """Mamba2 (Mamba-Codestral): pre-norm Mamba2 mixers only. forward(input_ids (T,), positions
     (T,), ctx) -> final-normed hidden (T, hidden); positions are unused."""
 
     def __init__(self, config):
         super().__init__(config)
-        self.backbone = _Backbone(config)
+        self.backbone = MambaBackbone(config, _Block)
         self.make_lm_head(self.backbone.embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
