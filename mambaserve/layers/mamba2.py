@@ -2,6 +2,9 @@
 
 in_proj -> [z | xBC | dt]; a depthwise causal conv1d over xBC continuing from the conv state;
 the selective scan over x with B, C, dt from the SSM state; gated RMSNorm with z; out_proj.
+Falcon-H1's variants are options: no norm at all (`gated_norm=False`: y * silu(z), the gate
+applied inside the scan kernels), the norm before the gate (`norm_before_gate=True`:
+norm(y) * silu(z)), and an out_proj bias of its own (`out_proj_bias`).
 A mixed batch of prefills and decodes goes through one `causal_conv1d` and one
 `mamba_chunk_scan` call (no split); a decode-only batch uses the one-step update ops.
 
@@ -72,7 +75,13 @@ class Mamba2Mixer(nn.Module):
         eps: float = 1e-6,
         dt_limit: tuple[float, float] | None = None,
         cache_index: int = 0,
+        gated_norm: bool = True,
+        norm_before_gate: bool = False,
+        out_proj_bias: bool | None = None,
     ):
+        """gated_norm=False: no `norm` parameter, y * silu(z) (Falcon-H1 with mamba_rms_norm
+        false); norm_before_gate: weight * rmsnorm_g(y) * silu(z) instead of weight *
+        rmsnorm_g(y * silu(z)); out_proj_bias: None follows use_bias (in_proj's)."""
         super().__init__()
         self.num_heads, self.head_dim, self.d_state, self.n_groups = num_heads, head_dim, d_state, n_groups
         self.intermediate_size = intermediate_size or num_heads * head_dim
@@ -89,9 +98,13 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
         self.A_log = nn.Parameter(torch.empty(num_heads))
         self.D = nn.Parameter(torch.empty(num_heads))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.empty(self.intermediate_size))
-        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=use_bias)
+        self.norm_before_gate = norm_before_gate
+        self.norm = None
+        if gated_norm:
+            self.norm = nn.Module()
+            self.norm.weight = nn.Parameter(torch.empty(self.intermediate_size))
+        out_bias = use_bias if out_proj_bias is None else out_proj_bias
+        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=out_bias)
 
     def state_shape(self) -> MambaStateShape:
         return MambaStateShape((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.d_state))
@@ -102,8 +115,10 @@ class Mamba2Mixer(nn.Module):
         at decode sizes out_proj then runs as one split-K launch whose reduction the norm does."""
         I = self.intermediate_size
         zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
-        y = split_op(self.ssm, (zxbcdt,), ctx)  # (T, I)
-        y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=I // self.n_groups)
+        y = split_op(self.ssm, (zxbcdt,), ctx)  # (T, I); already times silu(z) without a norm
+        if self.norm is not None:
+            y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=I // self.n_groups,
+                                   norm_before_gate=self.norm_before_gate)
         return project_out(self.out_proj, y, partials)
 
     def decay_rates(self) -> torch.Tensor:
@@ -117,22 +132,26 @@ class Mamba2Mixer(nn.Module):
         """The state-dependent core: conv1d and the selective scan (or their one-step updates).
 
         zxbcdt: (num_tokens, I + conv_dim + H) from in_proj. Returns y (num_tokens, I),
-        before the gated norm. Reads and writes this layer's state slots of `ctx`. The leading
-        decodes of a mixed step take the one-step kernels (conv update, state update: one read
-        and one write of each state), the prefills the chunked ones, in the same forward.
+        before the gated norm (with no norm: y * silu(z), the gate applied by the scan ops).
+        Reads and writes this layer's state slots of `ctx`. The leading decodes of a mixed step
+        take the one-step kernels (conv update, state update: one read and one write of each
+        state), the prefills the chunked ones, in the same forward.
         """
         T = zxbcdt.shape[0]
         I = self.intermediate_size
         xBC = zxbcdt[:, I : I + self.conv_dim]  # column slice: the conv reads it in place
         dt = zxbcdt[:, I + self.conv_dim :]
+        # without a norm the gate goes into the scan kernels: (T, H, P) view of in_proj's z columns
+        z = zxbcdt[:, :I].view(T, self.num_heads, self.head_dim) if self.norm is None else None
         nd = ctx.num_decodes
         if ctx.decode_only:
-            return self._decode_rows(xBC, dt, ctx.state_indices, ctx).view(T, I)
+            return self._decode_rows(xBC, dt, z, ctx.state_indices, ctx).view(T, I)
         if nd == 0:
-            return self._prefill_rows(xBC, dt, ctx).view(T, I)
+            return self._prefill_rows(xBC, dt, z, ctx).view(T, I)
         y = zxbcdt.new_empty(T, I)
-        y[:nd] = self._decode_rows(xBC[:nd], dt[:nd], ctx.state_indices[:nd], ctx).view(nd, I)
-        y[nd:] = self._prefill_rows(xBC[nd:], dt[nd:], ctx.prefill_part()).view(T - nd, I)
+        zd, zp = (None, None) if z is None else (z[:nd], z[nd:])
+        y[:nd] = self._decode_rows(xBC[:nd], dt[:nd], zd, ctx.state_indices[:nd], ctx).view(nd, I)
+        y[nd:] = self._prefill_rows(xBC[nd:], dt[nd:], zp, ctx.prefill_part()).view(T - nd, I)
         return y
 
     def _split_xbc(self, xBC: torch.Tensor):
@@ -140,22 +159,22 @@ class Mamba2Mixer(nn.Module):
         H, P, G, N, I = self.num_heads, self.head_dim, self.n_groups, self.d_state, self.intermediate_size
         return (xBC[:, :I].view(T, H, P), xBC[:, I : I + G * N].view(T, G, N), xBC[:, I + G * N :].view(T, G, N))
 
-    def _decode_rows(self, xBC, dt, state_indices, ctx: ForwardContext) -> torch.Tensor:
+    def _decode_rows(self, xBC, dt, z, state_indices, ctx: ForwardContext) -> torch.Tensor:
         """One token per sequence, each with a state: conv update and state update, (n, H, P)."""
         conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         xBC = ops.causal_conv1d_update(xBC, conv_states, weight, self.conv1d.bias, state_indices)
         x, B, C = self._split_xbc(xBC)
-        return ops.selective_state_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, None, self.dt_bias,
+        return ops.selective_state_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, z, self.dt_bias,
                                           state_indices, dt_softplus=True, dt_limit=self.dt_limit)
 
-    def _prefill_rows(self, xBC, dt, ctx: ForwardContext) -> torch.Tensor:
+    def _prefill_rows(self, xBC, dt, z, ctx: ForwardContext) -> torch.Tensor:
         """Variable-length sequences of ctx: varlen conv and the chunked scan, (rows, H, P)."""
         conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         xBC = ops.causal_conv1d(xBC, weight, self.conv1d.bias, conv_states, ctx.query_start_loc,
                                 ctx.state_indices, ctx.has_initial_state, metadata=ctx.metadata)
         x, B, C = self._split_xbc(xBC)
-        return ops.mamba_chunk_scan(x, dt, self.decay_rates(), B, C, self.chunk_size, self.D, None, self.dt_bias,
+        return ops.mamba_chunk_scan(x, dt, self.decay_rates(), B, C, self.chunk_size, self.D, z, self.dt_bias,
                                     ssm_states, ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
                                     dt_softplus=True, dt_limit=self.dt_limit, metadata=ctx.metadata)
