@@ -12,6 +12,7 @@ _REGISTRY = {
     "GraniteMoeHybridForCausalLM": ("mambaserve.models.granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "Zamba2ForCausalLM": ("mambaserve.models.zamba2", "Zamba2ForCausalLM"),
     "NemotronHForCausalLM": ("mambaserve.models.nemotron_h", "NemotronHForCausalLM"),
+    "FalconH1ForCausalLM": ("mambaserve.models.falcon_h1", "FalconH1ForCausalLM"),
 }
 
 

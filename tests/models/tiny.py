@@ -99,6 +99,36 @@ CONFIGS = {
         moe_shared_expert_intermediate_size=40, moe_latent_size=16, routed_scaling_factor=2.5,
         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
+    # Falcon-H1: parallel Mamba2 + GQA RoPE attention per layer, every muP multiplier != 1, no
+    # gated norm in the mixer (y * silu(z)), Mamba width mamba_d_ssm (48) != expand x hidden, untied
+    "falcon-h1": dict(
+        arch="FalconH1", initializer_range=0.2, vocab_size=179, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=48, mamba_n_heads=3, mamba_d_state=8, mamba_n_groups=1,
+        mamba_chunk_size=8, mamba_rms_norm=False, embedding_multiplier=2.0, lm_head_multiplier=0.7,
+        attention_in_multiplier=0.8, attention_out_multiplier=1.3, key_multiplier=0.6, ssm_in_multiplier=1.2,
+        ssm_out_multiplier=0.9, ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 0.7], mlp_multipliers=[1.4, 0.6],
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    # Falcon-H1 flipped: gated RMSNorm over 2 groups with the gate first (norm_before_gate false),
+    # in_proj / out_proj / attention / MLP biases, no conv bias, MHA, Mamba width expand x hidden, tied
+    "falcon-h1-norm": dict(
+        arch="FalconH1", initializer_range=0.2, vocab_size=167, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=3, num_key_value_heads=3, mamba_d_ssm=None, mamba_expand=2, mamba_n_heads=6, mamba_d_state=8,
+        mamba_n_groups=2, mamba_chunk_size=8, mamba_d_conv=3, mamba_rms_norm=True, mamba_norm_before_gate=False,
+        mamba_proj_bias=True, projectors_bias=True, mamba_conv_bias=False, attention_bias=True, mlp_bias=True,
+        embedding_multiplier=0.5, lm_head_multiplier=1.5, attention_in_multiplier=1.25, attention_out_multiplier=0.75,
+        key_multiplier=1.5, ssm_in_multiplier=0.9, ssm_out_multiplier=1.1, ssm_multipliers=[1.3, 0.6, 1.2, 0.9, 1.4],
+        mlp_multipliers=[0.7, 1.2], rms_norm_eps=1e-4,
+        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    # Falcon-H1 with the gated norm after the normalisation (norm_before_gate, the config default), 2 groups
+    "falcon-h1-norm-first": dict(
+        arch="FalconH1", initializer_range=0.2, vocab_size=157, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=8,
+        mamba_n_groups=2, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
+        embedding_multiplier=1.5, lm_head_multiplier=0.8, key_multiplier=0.7, ssm_multipliers=[0.9, 1.1, 1.3, 0.8, 1.2],
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
 }
 
 
@@ -126,7 +156,9 @@ def _per_group_gated_norm(model, config) -> None:
     if n_groups == 1:
         return
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNormGated") and not hasattr(module, "group_size"):
+        # Falcon-H1's gated norm is per group already (and may put the norm before the gate)
+        if (type(module).__name__.endswith("RMSNormGated") and not hasattr(module, "group_size")
+                and not type(module).__name__.startswith("FalconH1")):
             module.group_size = module.weight.shape[0] // n_groups
             module.forward = functools.partial(_gated_norm_per_group, module)
 

@@ -1,0 +1,194 @@
+"""FalconH1ForCausalLM (TII Falcon-H1): every layer runs a Mamba2 mixer and a RoPE attention
+block side by side on the same normed input, then a SwiGLU MLP.
+
+Per layer, with h the residual stream (math of transformers' `models/falcon_h1/
+modeling_falcon_h1.py`, v5, its PyTorch path):
+    x = input_layernorm(h)
+    h = h + ssm_out_multiplier * mamba(x) + attention_out_multiplier * attn(attention_in_multiplier * x)
+    h = h + mlp(pre_ff_layernorm(h))
+- mamba: a Mamba2 mixer whose input is times ssm_in_multiplier and whose in_proj output is
+  times a per-segment vector `ssm_multipliers` over [z | x | B | C | dt]; its width is
+  `mamba_d_ssm` (else mamba_expand * hidden), heads * head_dim; with `mamba_rms_norm` a gated
+  RMSNorm per group (`mamba_norm_before_gate` picks norm(y) * silu(z) or norm(y * silu(z))),
+  else no norm and y * silu(z). in_proj's bias is `mamba_proj_bias`, out_proj's
+  `projectors_bias`; the conv activation is `hidden_act` (SiLU only).
+- attn: GQA with RoPE over the whole head, softmax scale 1/sqrt(head_dim), biases
+  `attention_bias`; the keys are times key_multiplier (before RoPE, which is linear).
+- mlp: down(up(x) * silu(gate_multiplier * gate(x))) * down_multiplier (`mlp_multipliers`).
+- embeddings times embedding_multiplier; logits times lm_head_multiplier.
+The time step is clamped to `time_step_limit` in prefill and decode alike (transformers
+applies it in its prefill only; the default (0, inf) makes no difference).
+
+Multipliers folded into weights: every multiplier that scales a linear map's input or output
+is multiplied into that map's weight (and bias, when it scales the output) once the weights
+are loaded (`finalize_weights`), so a step runs no extra elementwise ops: in_proj rows times
+ssm_in_multiplier * ssm_multipliers[segment] (bias times the segment multiplier only), mamba
+out_proj times ssm_out_multiplier, q/k/v_proj times attention_in_multiplier, k_proj also
+times key_multiplier (bias too), o_proj times attention_out_multiplier, gate_proj times
+gate_multiplier, down_proj times down_multiplier. The loaded tensors keep their HF names;
+the model's parameters hold the folded values afterwards. The embedding and logits multipliers
+stay at run time (the embeddings may be tied to lm_head).
+
+Caches: each layer holds both a Mamba state (cache index = layer) and a KV cache (cache index
+= layer).
+HF names: model.embed_tokens, model.layers.{i}.{input_layernorm, pre_ff_layernorm,
+mamba.{in_proj, conv1d, dt_bias, A_log, D, norm (only with mamba_rms_norm), out_proj},
+self_attn.{q,k,v,o}_proj, feed_forward.{gate,up,down}_proj}, model.final_layernorm, lm_head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.layers.attention import Attention
+from mambaserve.layers.mamba2 import Mamba2Mixer
+from mambaserve.layers.mlp import GatedMLP
+from mambaserve.layers.norm import RMSNorm
+from mambaserve.layers.rotary import RotaryEmbedding
+from mambaserve.models.base import HybridForCausalLM, dt_limit
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _rope_theta(config) -> float:
+    """RoPE base from `rope_parameters` (or the older `rope_theta`); only the default RoPE type
+    (transformers' FalconH1 rotates the whole head with base^(-2i/head_dim)) is supported."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"Falcon-H1 rope_type {rope_type!r} is not supported (only 'default')")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+def _mixer(config, index: int) -> Mamba2Mixer:
+    d_ssm = config.mamba_d_ssm if config.mamba_d_ssm is not None else int(config.mamba_expand * config.hidden_size)
+    return Mamba2Mixer(
+        hidden_size=config.hidden_size,
+        num_heads=config.mamba_n_heads,
+        head_dim=config.mamba_d_head,
+        d_state=config.mamba_d_state,
+        n_groups=config.mamba_n_groups,
+        conv_kernel=config.mamba_d_conv,
+        chunk_size=config.mamba_chunk_size,
+        intermediate_size=d_ssm,
+        use_conv_bias=config.mamba_conv_bias,
+        use_bias=config.mamba_proj_bias,
+        out_proj_bias=config.projectors_bias,
+        eps=config.rms_norm_eps,
+        dt_limit=dt_limit(config),
+        gated_norm=bool(config.mamba_rms_norm),
+        norm_before_gate=bool(config.mamba_norm_before_gate),
+        cache_index=index,
+    )
+
+
+class _Layer(nn.Module):
+    def __init__(self, config, index: int, rotary: RotaryEmbedding):
+        super().__init__()
+        head_dim = _head_dim(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mamba = _mixer(config, index)
+        self.self_attn = Attention(
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            scale=head_dim**-0.5,
+            bias=config.attention_bias,
+            rotary=rotary,
+            cache_index=index,
+        )
+        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+
+
+class _Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        head_dim = _head_dim(config)
+        rotary = RotaryEmbedding(head_dim, head_dim, _rope_theta(config))
+        self.layers = nn.ModuleList(_Layer(config, i, rotary) for i in range(config.num_hidden_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+def _scale_rows(linear: nn.Linear, rows: torch.Tensor | float, bias_rows: torch.Tensor | float | None = None) -> None:
+    """linear.weight[r, :] *= rows[r]; linear.bias[r] *= bias_rows[r] (default: rows), in float32
+    and rounded once to the parameter dtype. rows: (out_features,) or a scalar."""
+    rows = torch.as_tensor(rows, dtype=torch.float32, device=linear.weight.device)
+    w = linear.weight
+    w.copy_((w.float() * (rows[:, None] if rows.dim() else rows)).to(w.dtype))
+    if linear.bias is not None:
+        b = linear.bias
+        scale = rows if bias_rows is None else torch.as_tensor(bias_rows, dtype=torch.float32, device=b.device)
+        b.copy_((b.float() * scale).to(b.dtype))
+
+
+class FalconH1ForCausalLM(HybridForCausalLM):
+    """TII Falcon-H1: parallel Mamba2 + attention mixers and a SwiGLU MLP per layer, muP
+    multipliers folded into the weights (see the module docstring). forward(input_ids (T,),
+    positions (T,), ctx) -> final-normed hidden (T, hidden); compute_logits multiplies by
+    lm_head_multiplier."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"Falcon-H1 hidden_act {act!r}: only 'silu' is supported (the Mamba conv and the MLP use it)")
+        for name, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
+            if len(getattr(config, name)) != n:
+                raise ValueError(f"Falcon-H1 {name} must hold {n} values, got {getattr(config, name)!r}")
+        self.model = _Model(config)
+        self.make_lm_head(self.model.embed_tokens)
+        self.embedding_multiplier = float(config.embedding_multiplier)
+        self.lm_head_multiplier = float(config.lm_head_multiplier)
+        self._folded = False
+
+    def mamba_in_multipliers(self) -> torch.Tensor:
+        """ssm_multipliers expanded over in_proj's output rows [z | x | B | C | dt]:
+        (2 * d_ssm + 2 * n_groups * d_state + n_heads,) float32 (transformers' compute_mup_vector)."""
+        m = self.model.layers[0].mamba
+        gn = m.n_groups * m.d_state
+        sizes = [m.intermediate_size, m.intermediate_size, gn, gn, m.num_heads]
+        mult = [float(v) for v in self.config.ssm_multipliers]
+        return torch.cat([torch.full((n,), v) for n, v in zip(sizes, mult)])
+
+    @torch.no_grad()
+    def finalize_weights(self) -> None:
+        """Fold the muP multipliers into the loaded weights (once; see the module docstring)."""
+        if self._folded:
+            raise RuntimeError("Falcon-H1 multipliers are already folded into these weights")
+        c = self.config
+        seg = self.mamba_in_multipliers()
+        gate_mult, down_mult = (float(v) for v in c.mlp_multipliers)
+        a_in = float(c.attention_in_multiplier)
+        for layer in self.model.layers:
+            _scale_rows(layer.mamba.in_proj, seg * float(c.ssm_in_multiplier), seg)
+            _scale_rows(layer.mamba.out_proj, float(c.ssm_out_multiplier))
+            attn = layer.self_attn
+            _scale_rows(attn.q_proj, a_in, 1.0)
+            _scale_rows(attn.k_proj, a_in * float(c.key_multiplier), float(c.key_multiplier))
+            _scale_rows(attn.v_proj, a_in, 1.0)
+            _scale_rows(attn.o_proj, float(c.attention_out_multiplier))
+            _scale_rows(layer.feed_forward.gate_proj, gate_mult)
+            _scale_rows(layer.feed_forward.down_proj, down_mult)
+        self._folded = True
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids) * self.embedding_multiplier  # (T, hidden), the residual stream
+        layers = self.model.layers
+        x = layers[0].input_layernorm(h)
+        for i, layer in enumerate(layers):
+            mixed = layer.mamba(x, ctx) + layer.self_attn(positions, x, ctx)  # both read the same normed x
+            x = layer.pre_ff_layernorm.add_and_norm(mixed, h)  # h += mixed; x = norm(h)
+            following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.final_layernorm
+            x = following.add_and_norm(layer.feed_forward(x), h)
+        return x
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states: (n, hidden) -> float32 logits (n, vocab_size), times lm_head_multiplier."""
+        return self.lm_head(hidden_states).float() * self.lm_head_multiplier
