@@ -4,7 +4,9 @@ in_proj -> [x | z]; a depthwise causal conv1d (with bias) + SiLU over x, continu
 conv state; x_proj -> [dt (low rank) | B | C]; dt = dt_proj(dt) (its bias and the softplus are
 applied inside the scan, in float32); the selective scan with A = -exp(A_log) of shape
 (d_inner, d_state) (one decay rate per channel and state, not one per head as in Mamba2), the
-D skip and the silu(z) gate; out_proj. No normalisation inside the mixer.
+D skip and the silu(z) gate; out_proj. Plain Mamba-1 has no normalisation inside the mixer;
+Jamba's (Lieber et al. 2024, arXiv 2403.19887; transformers' `JambaMambaMixer`) adds RMSNorms
+on the low-rank dt (before dt_proj), on B and on C, right after x_proj (`dt_bc_norm_eps`).
 
 A decode-only batch runs the one-step ops (conv update, scan update: no host metadata, safe in
 CUDA graphs); any other batch (prefills, chunks, and decodes beside them) runs the varlen conv
@@ -13,7 +15,7 @@ and the varlen scan, whose decode rows are sequences of length 1. The state-depe
 
 Parameter names and shapes follow the Hugging Face checkpoints (`in_proj`, `conv1d.weight`
 (d_inner, 1, width), `conv1d.bias`, `x_proj`, `dt_proj` (with bias), `A_log` (d_inner,
-d_state), `D`, `out_proj`). The layer reads its (conv_states, ssm_states) pair from
+d_state), `D`, `out_proj`; Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`). The layer reads its (conv_states, ssm_states) pair from
 `ctx.mamba_caches[cache_index]`: conv (width - 1, d_inner), SSM (d_inner, d_state) per slot.
 """
 
@@ -27,10 +29,15 @@ from mambaserve import ops
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
 from mambaserve.layers.mamba2 import MambaStateShape, _Conv1dWeights, project_out
+from mambaserve.layers.norm import RMSNorm
 
 
 class MambaMixer(nn.Module):
-    """hidden_states: (num_tokens, hidden_size) -> (num_tokens, hidden_size)."""
+    """hidden_states: (num_tokens, hidden_size) -> (num_tokens, hidden_size).
+
+    dt_bc_norm_eps: None for plain Mamba-1; a float for Jamba's mixer, whose dt (time_step_rank
+    features), B and C (d_state each) pass through RMSNorms with this eps after x_proj.
+    """
 
     # kept in float32 whatever the model dtype: decay rates, skip and step-size bias
     float32_params = ("A_log", "D", "dt_proj.bias")
@@ -46,6 +53,7 @@ class MambaMixer(nn.Module):
         use_conv_bias: bool = True,
         use_bias: bool = False,
         activation: str = "silu",
+        dt_bc_norm_eps: float | None = None,
         cache_index: int = 0,
     ):
         super().__init__()
@@ -61,6 +69,11 @@ class MambaMixer(nn.Module):
         self.A_log = nn.Parameter(torch.empty(intermediate_size, d_state))
         self.D = nn.Parameter(torch.empty(intermediate_size))
         self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
+        self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
+        if dt_bc_norm_eps is not None:
+            self.dt_layernorm = RMSNorm(time_step_rank, eps=dt_bc_norm_eps)
+            self.b_layernorm = RMSNorm(d_state, eps=dt_bc_norm_eps)
+            self.c_layernorm = RMSNorm(d_state, eps=dt_bc_norm_eps)
 
     def state_shape(self) -> MambaStateShape:
         return MambaStateShape((self.conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.d_state))
@@ -104,8 +117,11 @@ class MambaMixer(nn.Module):
 
     def _dt_B_C(self, x: torch.Tensor):
         """x: (T, d_inner) after the conv -> dt (T, d_inner) before its bias and softplus, and
-        B, C (T, d_state) (column slices of x_proj's output)."""
+        B, C (T, d_state) (column slices of x_proj's output; Jamba: their RMSNorms, and dt from
+        the normed low-rank dt)."""
         R, N = self.time_step_rank, self.d_state
         x_dbl = F.linear(x, self.x_proj.weight)  # (T, R + 2N)
-        dt = F.linear(x_dbl[:, :R], self.dt_proj.weight)  # (T, d_inner)
-        return dt, x_dbl[:, R : R + N], x_dbl[:, R + N :]
+        dt, B, C = x_dbl[:, :R], x_dbl[:, R : R + N], x_dbl[:, R + N :]
+        if self.dt_layernorm is not None:
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        return F.linear(dt, self.dt_proj.weight), B, C  # dt: (T, d_inner)

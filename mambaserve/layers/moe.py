@@ -10,6 +10,11 @@ layers) over ungated experts down(act(up(x))): `SigmoidGroupRouter` and `Ungated
 the checkpoint's per-expert names `experts.{e}.up_proj` / `experts.{e}.down_proj`. These
 experts are plain PyTorch (one matrix product pair per routed expert): `ops.fused_moe` computes
 SiLU-gated experts only.
+
+Jamba: softmax routing over all experts, the top-k probabilities kept as they are (not
+renormalised over the k: Jamba's `JambaTopKRouter`), `SoftmaxTopKRouter`; SiLU-gated experts
+stored per expert in the checkpoint (`experts.{e}.gate_proj` / `up_proj` / `down_proj`) and
+stacked once loaded into the fused MoE's layout (`SparseMoeBlock`).
 """
 
 from __future__ import annotations
@@ -188,3 +193,84 @@ class UngatedExperts(nn.ModuleList):
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         y = self._per_pair_dense(x, ids) if capturing else self._per_pair_sorted(x, ids)
         return (y.float() * weights.float()[..., None]).sum(1).to(x.dtype)
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Jamba's routing (Lieber et al. 2024, arXiv 2403.19887; transformers' `JambaTopKRouter`).
+
+    x: (num_tokens, hidden) -> weights (num_tokens, top_k) in x.dtype, ids (num_tokens, top_k)
+    int64, largest first. p = softmax(x W^T) over all experts, in float32 (the logits in x's
+    dtype, as the checkpoint's Linear computes them); the weights are the top_k entries of p,
+    not renormalised (unlike `ops.topk_softmax`, which takes a softmax over the top_k logits
+    only: the two differ by the factor sum of the chosen p). HF name: `weight` (E, hidden).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)  # (T, E)
+        weights, ids = probs.topk(self.top_k, dim=-1)  # (T, k)
+        return weights.to(x.dtype), ids
+
+
+class _GatedExpert(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+
+class _StackedExperts(nn.Module):
+    """The fused layout (transformers' in-memory names): gate_up_proj (E, 2I, H) = [gate; up]
+    per expert, down_proj (E, H, I)."""
+
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
+        self.down_proj = nn.Parameter(down_proj, requires_grad=False)
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routed SiLU-gated experts (Jamba's `feed_forward` on its MoE layers).
+
+    x: (num_tokens, hidden) -> (num_tokens, hidden); out[t] = sum_k w[t, k] *
+    down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k], with (w, ids) from
+    `SoftmaxTopKRouter`. The checkpoint holds each expert apart (`experts.{e}.gate_proj`,
+    `up_proj`, `down_proj`); `stack_experts()` (the model's finalize_weights, once the weights are
+    in) moves them into one (E, 2I, H) and one (E, H, I) tensor for `ops.fused_moe`.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
+        super().__init__()
+        self.router = SoftmaxTopKRouter(hidden_size, num_experts, top_k)
+        self.experts: nn.Module = nn.ModuleList(_GatedExpert(hidden_size, intermediate_size) for _ in range(num_experts))
+
+    @torch.no_grad()
+    def stack_experts(self) -> None:
+        """Per-expert weights -> the fused layout, expert by expert into preallocated tensors (peak
+        memory: one layer's experts twice). Does nothing when already stacked."""
+        if isinstance(self.experts, _StackedExperts):
+            return
+        first = self.experts[0]
+        inter, hidden = first.gate_proj.weight.shape
+        E = len(self.experts)
+        w = first.gate_proj.weight
+        w1 = torch.empty(E, 2 * inter, hidden, dtype=w.dtype, device=w.device)
+        w2 = torch.empty(E, hidden, inter, dtype=w.dtype, device=w.device)
+        for e, ex in enumerate(self.experts):
+            w1[e, :inter], w1[e, inter:], w2[e] = ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight
+        self.experts = _StackedExperts(w1, w2)
+
+    def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:
+        """x: (T, hidden) -> (T, hidden); partials=True returns (num_parts, T, hidden) terms
+        summing to the output, for `RMSNorm.add_and_norm` (see ops.fused_moe)."""
+        assert isinstance(self.experts, _StackedExperts), "stack_experts() runs once the weights are loaded"
+        weights, ids = self.router(x)
+        return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
+                             as_partials=partials)

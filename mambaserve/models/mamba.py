@@ -79,10 +79,18 @@ class MambaForCausalLM(HybridForCausalLM):
         the inverse softplus of dt log-uniform in [time_step_min, time_step_max] (Gu & Dao 2023,
         section 3.6 and appendix)."""
         super().init_dummy_weights(seed)
-        gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-        lo = math.log(float(getattr(self.config, "time_step_min", 1e-3)))
-        hi = math.log(float(getattr(self.config, "time_step_max", 1e-1)))
-        for layer in self.backbone.layers:
-            bias = layer.mixer.dt_proj.bias
-            dt = torch.exp(torch.rand(bias.shape, generator=gen) * (hi - lo) + lo)
-            bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        init_dt_proj_biases([layer.mixer for layer in self.backbone.layers], self.config, seed)
+
+
+@torch.no_grad()
+def init_dt_proj_biases(mixers: list[MambaMixer], config, seed: int) -> None:
+    """Each Mamba-1 mixer's dt_proj bias (d_inner,): the inverse softplus of dt log-uniform in
+    [time_step_min, time_step_max] (config fields, default [1e-3, 1e-1]; Gu & Dao 2023, section
+    3.6 and appendix), so that softplus(bias) starts as such a dt."""
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    lo = math.log(float(getattr(config, "time_step_min", 1e-3)))
+    hi = math.log(float(getattr(config, "time_step_max", 1e-1)))
+    for mixer in mixers:
+        bias = mixer.dt_proj.bias
+        dt = torch.exp(torch.rand(bias.shape, generator=gen) * (hi - lo) + lo)
+        bias.copy_(dt + torch.log(-torch.expm1(-dt)))
