@@ -1,0 +1,97 @@
+"""Falcon-H1 against transformers' own FalconH1ForCausalLM, float32, tiny random checkpoints.
+
+The tiny configs live in `tests.models.tiny.CONFIGS`, so `test_parity.py`'s packed prefill +
+decode test runs them too. Here: steps that mix prefill chunks (boundaries at chunk size +- 1,
+prompts shorter than the conv width) with decodes, then decode-only steps, reproduce
+transformers' logits of every prefix; the whole model on the Triton path (the scan kernels
+taking the gate z when the mixer has no norm) equals the reference ops; the muP multipliers
+are folded into exactly the weights the module docstring names; configs we cannot run are
+refused.
+"""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mambaserve.loader import load_model
+from tests.conftest import rel_err
+from tests.models import test_parity
+from tests.models.test_parity import Harness
+from tests.models.tiny import checkpoint, hf_model
+
+NAMES = ["falcon-h1", "falcon-h1-norm"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_chunked_and_decode_steps_match_transformers(name):
+    hf = hf_model(name)
+    ours = load_model(checkpoint(name), dtype="float32")
+    vocab = hf.config.vocab_size
+    seqs = [torch.randint(3, vocab, (n,)).tolist() for n in (26, 5, 18, 9)]
+    h = Harness(ours, len(seqs), 26)
+    plan = [
+        {0: seqs[0][:7], 1: seqs[1][:2], 3: seqs[3][:1]},  # 7 = chunk - 1; 1 and 2 < conv width
+        {0: seqs[0][7:16], 1: seqs[1][2:5], 2: seqs[2][:2], 3: seqs[3][1:2]},  # 9 = chunk + 1, decodes
+        {0: seqs[0][16:17], 2: seqs[2][2:17], 3: seqs[3][2:9]},
+        {0: seqs[0][17:25], 2: seqs[2][17:18]},
+        {0: seqs[0][25:26], 1: [3], 3: [4]},  # decode-only
+    ]
+    seqs[1].append(3), seqs[3].append(4)
+    got = {i: [] for i in range(len(seqs))}
+    for chunks in plan:
+        for i, logits in h.step(chunks).items():
+            got[i].append(logits)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            ref = hf(torch.tensor([s])).logits[0]
+            assert rel_err(torch.cat(got[i]), ref) < 1e-4, f"sequence {i} (len {len(s)})"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_triton_path_matches_reference_ops(name):
+    test_parity.test_triton_kernels_match_the_reference_ops_in_a_model(name)
+
+
+def test_multipliers_are_folded_into_the_named_weights():
+    name = "falcon-h1-norm"  # every projection has a bias here
+    cfg = hf_model(name).config
+    stored = load_file(f"{checkpoint(name)}/model.safetensors")
+    ours = load_model(checkpoint(name), dtype="float32")
+    params = dict(ours.named_parameters())
+    p = "model.layers.1."
+    I, GN, H = 48, 2 * 8, 6
+    seg = torch.cat([torch.full((n,), v) for n, v in zip([I, I, GN, GN, H], cfg.ssm_multipliers)])
+    a_in, km = cfg.attention_in_multiplier, cfg.key_multiplier
+    expect = {
+        "mamba.in_proj.weight": stored[p + "mamba.in_proj.weight"] * (seg * cfg.ssm_in_multiplier)[:, None],
+        "mamba.in_proj.bias": stored[p + "mamba.in_proj.bias"] * seg,
+        "mamba.out_proj.weight": stored[p + "mamba.out_proj.weight"] * cfg.ssm_out_multiplier,
+        "mamba.out_proj.bias": stored[p + "mamba.out_proj.bias"] * cfg.ssm_out_multiplier,
+        "self_attn.q_proj.weight": stored[p + "self_attn.q_proj.weight"] * a_in,
+        "self_attn.q_proj.bias": stored[p + "self_attn.q_proj.bias"],
+        "self_attn.k_proj.weight": stored[p + "self_attn.k_proj.weight"] * (a_in * km),
+        "self_attn.k_proj.bias": stored[p + "self_attn.k_proj.bias"] * km,
+        "self_attn.o_proj.bias": stored[p + "self_attn.o_proj.bias"] * cfg.attention_out_multiplier,
+        "feed_forward.gate_proj.bias": stored[p + "feed_forward.gate_proj.bias"] * cfg.mlp_multipliers[0],
+        "feed_forward.up_proj.weight": stored[p + "feed_forward.up_proj.weight"],
+        "feed_forward.down_proj.weight": stored[p + "feed_forward.down_proj.weight"] * cfg.mlp_multipliers[1],
+        "mamba.norm.weight": stored[p + "mamba.norm.weight"],
+    }
+    for key, want in expect.items():
+        torch.testing.assert_close(params[p + key], want, rtol=1e-6, atol=0, msg=key)
+    with pytest.raises(RuntimeError, match="already folded"):
+        ours.finalize_weights()
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("hidden_act", "gelu", "hidden_act"),
+    ("rope_parameters", {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}, "rope_type"),
+])
+def test_unsupported_configs_are_refused(field, value, match):
+    from mambaserve.models import get_model_class
+
+    config = hf_model("falcon-h1").config
+    config = type(config).from_dict({**config.to_dict(), field: value})
+    config.architectures = ["FalconH1ForCausalLM"]
+    with torch.device("meta"), pytest.raises(ValueError, match=match):
+        get_model_class(config)(config)
