@@ -13,6 +13,7 @@ _REGISTRY = {
     "Zamba2ForCausalLM": ("mambaserve.models.zamba2", "Zamba2ForCausalLM"),
     "NemotronHForCausalLM": ("mambaserve.models.nemotron_h", "NemotronHForCausalLM"),
     "FalconH1ForCausalLM": ("mambaserve.models.falcon_h1", "FalconH1ForCausalLM"),
+    "JambaForCausalLM": ("mambaserve.models.jamba", "JambaForCausalLM"),
 }
 
 

@@ -129,6 +129,26 @@ CONFIGS = {
         embedding_multiplier=1.5, lm_head_multiplier=0.8, key_multiplier=0.7, ssm_multipliers=[0.9, 1.1, 1.3, 0.8, 1.2],
         tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
+    # Jamba: Mamba-1 mixers with dt/B/C norms and NoPE GQA attention, alternating (period 2,
+    # offset 1); MoE (4 experts, top-2, softmax not renormalised) on layers 0 and 2, dense MLPs
+    # after the attention layers
+    "jamba": dict(
+        arch="Jamba", initializer_range=0.2, vocab_size=199, hidden_size=32, intermediate_size=24, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=0,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1,
+        pad_token_id=0,
+    ),
+    # Jamba: MoE after every layer, top-1 (its weight is that expert's softmax probability, not 1),
+    # attention first (period 3, offset 0), 4:1 GQA, conv width 3, dt rank 5, no conv bias,
+    # in/out_proj biases, tied embeddings
+    "jamba-moe-every-layer": dict(
+        arch="Jamba", initializer_range=0.2, vocab_size=173, hidden_size=40, intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=1, num_experts=6, num_experts_per_tok=1,
+        attn_layer_period=3, attn_layer_offset=0, expert_layer_period=1, expert_layer_offset=0,
+        mamba_d_state=16, mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=5, mamba_conv_bias=False, mamba_proj_bias=True,
+        rms_norm_eps=1e-4, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
 }
 
 
