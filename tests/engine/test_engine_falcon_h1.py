@@ -7,7 +7,7 @@ eager in bfloat16)."""
 import pytest
 import torch
 
-from tests.engine.test_engine import alone, assert_pools_empty, make, prompts_for, run  # noqa: F401 (fixture)
+from tests.engine.test_engine import _EagerPiecewise, alone, assert_pools_empty, make, prompts_for, run  # noqa: F401 (fixture)
 from tests.models.tiny import hf_model
 
 FAMILIES = ["falcon-h1", "falcon-h1-norm"]
@@ -23,6 +23,18 @@ def test_batched_equals_alone(name, alone):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_chunked_prefill_equals_whole_prompts(name, alone):
     llm = make(name, max_num_batched_tokens=7)
+    assert run(llm, prompts_for(name)) == alone(name)
+    assert_pools_empty(llm)
+
+
+@pytest.mark.parametrize("budget", [1, 7])
+def test_padded_piecewise_steps_equal_alone(budget, alone):
+    """Steps padded to a captured size as the piecewise graphs pad them (rows of no sequence):
+    the padding rows must touch neither a state slot nor a KV block of a real request."""
+    name = "falcon-h1"
+    llm = make(name, max_num_batched_tokens=budget)
+    runner = llm.llm_engine.runner
+    runner.piecewise_graphs = _EagerPiecewise(runner.model)
     assert run(llm, prompts_for(name)) == alone(name)
     assert_pools_empty(llm)
 
