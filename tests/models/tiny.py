@@ -121,10 +121,11 @@ CONFIGS = {
         mlp_multipliers=[0.7, 1.2], rms_norm_eps=1e-4,
         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
-    # Falcon-H1 with the gated norm after the normalisation (norm_before_gate, the config default), 2 groups
+    # Falcon-H1 with the gated norm after the normalisation (norm_before_gate, the config default), 2 groups;
+    # attention head_dim (16) != hidden / heads, as in the published configs
     "falcon-h1-norm-first": dict(
         arch="FalconH1", initializer_range=0.2, vocab_size=157, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=8,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=8,
         mamba_n_groups=2, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
         embedding_multiplier=1.5, lm_head_multiplier=0.8, key_multiplier=0.7, ssm_multipliers=[0.9, 1.1, 1.3, 0.8, 1.2],
         tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
