@@ -95,3 +95,24 @@ def test_unsupported_configs_are_refused(field, value, match):
     config.architectures = ["FalconH1ForCausalLM"]
     with torch.device("meta"), pytest.raises(ValueError, match=match):
         get_model_class(config)(config)
+
+
+def test_documented_scale_builds_on_meta_with_transformers_parameter_count():
+    """Falcon-H1-1.5B's shapes as transformers' model page tabulates them (24 layers, hidden
+    2,048, 8 attention heads of 128 with 2 KV heads, 48 Mamba heads of 64, d_state 256); the
+    fields the table omits keep transformers' defaults, so this is not the published config."""
+    import transformers
+
+    from mambaserve.models import get_model_class
+
+    config = transformers.FalconH1Config(num_hidden_layers=24, hidden_size=2048, num_attention_heads=8,
+                                         num_key_value_heads=2, head_dim=128, mamba_n_heads=48, mamba_d_head=64,
+                                         mamba_d_ssm=3072, mamba_d_state=256, intermediate_size=8192)
+    config.architectures = ["FalconH1ForCausalLM"]
+    with torch.device("meta"):
+        ours = get_model_class(config)(config)
+        theirs = transformers.FalconH1ForCausalLM(config)
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    spec = ours.cache_spec()
+    assert len(spec.mamba) == len(spec.attention) == 24
+    assert spec.attention[0].head_dim == 128 and spec.mamba[0].ssm_shape == (48, 64, 256)
