@@ -56,9 +56,10 @@ def dt_limit(config) -> tuple[float, float]:
     return (float(limit[0]), float(limit[1]))
 
 
-def mamba_mixer_from_config(config, cache_index: int) -> Mamba2Mixer:
-    """The Mamba2 mixer of a config that names its fields `mamba_*` (Bamba, Granite 4.0-H)."""
-    return Mamba2Mixer(
+def mamba_mixer_from_config(config, cache_index: int, **overrides) -> Mamba2Mixer:
+    """The Mamba2 mixer of a config that names its fields `mamba_*` (Bamba, Granite 4.0-H,
+    Falcon-H1); `overrides` replace or add Mamba2Mixer keywords (Falcon-H1's width and norm)."""
+    kw = dict(
         hidden_size=config.hidden_size,
         num_heads=config.mamba_n_heads,
         head_dim=config.mamba_d_head,
@@ -73,6 +74,7 @@ def mamba_mixer_from_config(config, cache_index: int) -> Mamba2Mixer:
         dt_limit=dt_limit(config),
         cache_index=cache_index,
     )
+    return Mamba2Mixer(**{**kw, **overrides})
 
 
 def build_layers(config, make_layer) -> nn.ModuleList:

@@ -47,7 +47,7 @@ from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
-from mambaserve.models.base import HybridForCausalLM, dt_limit
+from mambaserve.models.base import HybridForCausalLM, mamba_mixer_from_config
 
 
 def _head_dim(config) -> int:
@@ -66,24 +66,9 @@ def _rope_theta(config) -> float:
 
 def _mixer(config, index: int) -> Mamba2Mixer:
     d_ssm = config.mamba_d_ssm if config.mamba_d_ssm is not None else int(config.mamba_expand * config.hidden_size)
-    return Mamba2Mixer(
-        hidden_size=config.hidden_size,
-        num_heads=config.mamba_n_heads,
-        head_dim=config.mamba_d_head,
-        d_state=config.mamba_d_state,
-        n_groups=config.mamba_n_groups,
-        conv_kernel=config.mamba_d_conv,
-        chunk_size=config.mamba_chunk_size,
-        intermediate_size=d_ssm,
-        use_conv_bias=config.mamba_conv_bias,
-        use_bias=config.mamba_proj_bias,
-        out_proj_bias=config.projectors_bias,
-        eps=config.rms_norm_eps,
-        dt_limit=dt_limit(config),
-        gated_norm=bool(config.mamba_rms_norm),
-        norm_before_gate=bool(config.mamba_norm_before_gate),
-        cache_index=index,
-    )
+    return mamba_mixer_from_config(config, index, intermediate_size=d_ssm, out_proj_bias=config.projectors_bias,
+                                   gated_norm=bool(config.mamba_rms_norm),
+                                   norm_before_gate=bool(config.mamba_norm_before_gate))
 
 
 class _Layer(nn.Module):

@@ -3,7 +3,7 @@
 The tiny configs live in `tests.models.tiny.CONFIGS`, so `test_parity.py`'s packed prefill +
 decode test runs them too. Here: steps that mix prefill chunks (boundaries at chunk size +- 1,
 prompts shorter than the conv width) with decodes, then decode-only steps, reproduce
-transformers' logits of every prefix; the whole model on the Triton path (the scan kernels
+transformers' logits of every prefix (the plan of `test_parity_zamba2_nemotron`'s test); the whole model on the Triton path (the scan kernels
 taking the gate z when the mixer has no norm) equals the reference ops; the muP multipliers
 are folded into exactly the weights the module docstring names; configs we cannot run are
 refused.
@@ -14,9 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from mambaserve.loader import load_model
-from tests.conftest import rel_err
-from tests.models import test_parity
-from tests.models.test_parity import Harness
+from tests.models import test_parity, test_parity_zamba2_nemotron
 from tests.models.tiny import checkpoint, hf_model
 
 NAMES = ["falcon-h1", "falcon-h1-norm"]
@@ -24,27 +22,7 @@ NAMES = ["falcon-h1", "falcon-h1-norm"]
 
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_chunked_and_decode_steps_match_transformers(name):
-    hf = hf_model(name)
-    ours = load_model(checkpoint(name), dtype="float32")
-    vocab = hf.config.vocab_size
-    seqs = [torch.randint(3, vocab, (n,)).tolist() for n in (26, 5, 18, 9)]
-    h = Harness(ours, len(seqs), 26)
-    plan = [
-        {0: seqs[0][:7], 1: seqs[1][:2], 3: seqs[3][:1]},  # 7 = chunk - 1; 1 and 2 < conv width
-        {0: seqs[0][7:16], 1: seqs[1][2:5], 2: seqs[2][:2], 3: seqs[3][1:2]},  # 9 = chunk + 1, decodes
-        {0: seqs[0][16:17], 2: seqs[2][2:17], 3: seqs[3][2:9]},
-        {0: seqs[0][17:25], 2: seqs[2][17:18]},
-        {0: seqs[0][25:26], 1: [3], 3: [4]},  # decode-only
-    ]
-    seqs[1].append(3), seqs[3].append(4)
-    got = {i: [] for i in range(len(seqs))}
-    for chunks in plan:
-        for i, logits in h.step(chunks).items():
-            got[i].append(logits)
-    with torch.no_grad():
-        for i, s in enumerate(seqs):
-            ref = hf(torch.tensor([s])).logits[0]
-            assert rel_err(torch.cat(got[i]), ref) < 1e-4, f"sequence {i} (len {len(s)})"
+    test_parity_zamba2_nemotron.test_mixed_chunked_and_decode_steps_match_transformers(name)
 
 
 @pytest.mark.parametrize("name", NAMES)
