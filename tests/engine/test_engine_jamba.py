@@ -64,3 +64,17 @@ def test_cache_spec_and_stacked_experts():
     experts = model.model.layers[0].feed_forward.experts
     assert experts.gate_up_proj.shape == (4, 48, 32) and experts.down_proj.shape == (4, 32, 24)
     assert hasattr(model.model.layers[1].feed_forward, "gate_proj")
+
+
+def test_dummy_weights_from_a_bare_config():
+    """load_format="dummy" on config.json alone: experts stacked after the random init, and the
+    dt_proj biases are those of dt in [1e-3, 1e-1] (softplus^-1), not N(0, std)."""
+    from mambaserve import LLM
+    from tests.models.tiny import checkpoint
+
+    llm = LLM(checkpoint("jamba") + "/config.json", load_format="dummy", skip_tokenizer_init=True, dtype="float32")
+    model = llm.llm_engine.runner.model
+    dt = torch.nn.functional.softplus(model.model.layers[0].mamba.dt_proj.bias)
+    assert 1e-3 <= dt.min() and dt.max() <= 1e-1
+    assert model.model.layers[2].feed_forward.experts.gate_up_proj.shape == (4, 48, 32)
+    assert len(run(llm, prompts_for("jamba")[:2])[1]) == 10
