@@ -21,11 +21,17 @@ from tests.models.tiny import checkpoint, hf_model
 @pytest.mark.parametrize("name", ["mamba1", "mamba1-untied"])
 def test_bf16_packed_prefill_then_decode_near_transformers(name):
     hf = hf_model(name)
-    hf_low = copy.deepcopy(hf).to(torch.bfloat16)
     ours = load_model(checkpoint(name), dtype="bfloat16")
     assert ours.backbone.layers[0].mixer.A_log.dtype == torch.float32
     lens, n_decode = [1, 4, 19], 2
     seqs = [torch.randint(3, hf.config.vocab_size, (n + n_decode,)).tolist() for n in lens]
+    assert_bf16_steps_near_transformers(hf, ours, seqs, lens, n_decode)
+
+
+def assert_bf16_steps_near_transformers(hf, ours, seqs, lens, n_decode):
+    """One packed prefill of seqs[i][:lens[i]], then n_decode decode steps of every sequence, each
+    step's logits within the bar of the module docstring. hf: the float32 transformers model."""
+    hf_low = copy.deepcopy(hf).to(torch.bfloat16)
     h = Harness(ours, len(lens), max(lens) + n_decode)
 
     def check(got, ids, rows, what):
