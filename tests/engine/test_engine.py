@@ -10,7 +10,8 @@ import torch
 from mambaserve import LLM, SamplingParams
 from tests.models.tiny import checkpoint, hf_model
 
-FAMILIES = ["granite-moe", "bamba", "mamba2-untied", "falcon-h1", "falcon-h1-norm"]  # Falcon-H1: state + KV in every layer
+# Falcon-H1: state + KV in every layer; Jamba: Mamba-1 with dt/B/C norms, NoPE attention, softmax top-k MoE
+FAMILIES = ["granite-moe", "bamba", "mamba2-untied", "falcon-h1", "falcon-h1-norm", "jamba"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
@@ -94,7 +95,7 @@ def test_request_arriving_while_others_decode(name, alone):
     assert_pools_empty(llm)
 
 
-@pytest.mark.parametrize("name", ["granite-moe", "bamba", "falcon-h1"])
+@pytest.mark.parametrize("name", ["granite-moe", "bamba", "falcon-h1", "jamba"])
 def test_preemption_under_tiny_kv_budget(name, alone):
     # 12 blocks of 4 tokens: enough for the longest request alone (30 + 10 tokens), not for all at once
     llm = make(name, block_size=4, num_kv_blocks=12, max_model_len=48)
@@ -243,7 +244,7 @@ class _EagerPiecewise:
         return self.model(ids, pos, ctx)[:t]
 
 
-@pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied", "falcon-h1"])
+@pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied", "falcon-h1", "jamba"])
 @pytest.mark.parametrize("budget", [1, 3, 7])
 def test_padded_piecewise_steps_equal_alone(name, budget, alone):
     # budget 1 (and 3 with three running) gives steps whose every sequence has one new token

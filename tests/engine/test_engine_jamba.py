@@ -1,52 +1,37 @@
-"""The engine on Jamba (`JambaForCausalLM`, tiny configs "jamba" and "jamba-moe-every-layer"):
-greedy outputs must not depend on batching, chunking, padding or preemption, must equal
-transformers' greedy generate, and the pools must return to empty. CPU, float32, reference ops;
-`test_gpu.py` runs "jamba" among its GPU families (Triton against the CPU in float32, CUDA
-graphs against eager in bfloat16)."""
+"""The engine on Jamba (`JambaForCausalLM`) beyond what `test_engine.py` runs on its "jamba"
+config (one of its FAMILIES: batched, chunked, arrivals, preemption, padded piecewise steps,
+async scheduling, greedy equal to transformers' generate; and through FAMILIES one of
+`test_gpu.py`'s GPU families): the "jamba-moe-every-layer" config, the cache declaration, the
+stacked experts, dummy weights. CPU, float32, reference ops."""
 
-import pytest
 import torch
 
 from tests.engine.test_engine import _EagerPiecewise, alone, assert_pools_empty, make, prompts_for, run  # noqa: F401
 from tests.models.tiny import hf_model
 
-NAMES = ["jamba", "jamba-moe-every-layer"]
+NAME = "jamba-moe-every-layer"
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_batched_equals_alone(name, alone):
-    llm = make(name)
-    assert run(llm, prompts_for(name)) == alone(name)
-    assert_pools_empty(llm)
-
-
-@pytest.mark.parametrize("budget", [1, 7])
-def test_chunked_prefill_equals_whole_prompts(budget, alone):
-    llm = make("jamba", max_num_batched_tokens=budget)
-    assert run(llm, prompts_for("jamba")) == alone("jamba")
-    assert_pools_empty(llm)
-
-
-def test_padded_piecewise_steps_and_preemption_equal_alone(alone):
-    """Steps padded as the piecewise graphs pad them, and a KV budget too small for all requests
-    at once (12 blocks of 4 tokens): requests are preempted and recomputed."""
-    name = "jamba-moe-every-layer"
-    llm = make(name, max_num_batched_tokens=7)
+def test_moe_every_layer_batched_chunked_and_preempted_equal_alone(alone):
+    """The second config (top-1 MoE after every layer, attention first): batched, in padded
+    steps of at most 7 tokens, and under a KV budget too small for all requests at once."""
+    prompts = prompts_for(NAME)
+    assert run(make(NAME), prompts) == alone(NAME)
+    llm = make(NAME, max_num_batched_tokens=7)
     runner = llm.llm_engine.runner
     runner.piecewise_graphs = _EagerPiecewise(runner.model)
-    assert run(llm, prompts_for(name)) == alone(name)
+    assert run(llm, prompts) == alone(NAME)
     assert_pools_empty(llm)
-    llm = make(name, block_size=4, num_kv_blocks=12, max_model_len=48)
-    assert run(llm, prompts_for(name)) == alone(name)
+    llm = make(NAME, block_size=4, num_kv_blocks=12, max_model_len=48)
+    assert run(llm, prompts) == alone(NAME)
     assert llm.llm_engine.stats["preemptions"] > 0
     assert_pools_empty(llm)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_greedy_equals_transformers_generate(name, alone):
-    hf = hf_model(name)
+def test_moe_every_layer_greedy_equals_transformers_generate(alone):
+    hf = hf_model(NAME)
     hf.generation_config.eos_token_id = None
-    for p, ours in list(zip(prompts_for(name), alone(name)))[1:5]:
+    for p, ours in list(zip(prompts_for(NAME), alone(NAME)))[1:5]:
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10,
                               pad_token_id=0)[0, len(p):].tolist()
