@@ -104,7 +104,7 @@ def test_preemption_under_tiny_kv_budget(name, alone):
     assert_pools_empty(llm)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + ["jamba-moe-every-layer"])
 def test_greedy_equals_transformers_generate(name, alone):
     hf = hf_model(name)
     hf.generation_config.eos_token_id = None
