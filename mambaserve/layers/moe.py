@@ -199,10 +199,10 @@ class SoftmaxTopKRouter(nn.Module):
     """Jamba's routing (Lieber et al. 2024, arXiv 2403.19887; transformers' `JambaTopKRouter`).
 
     x: (num_tokens, hidden) -> weights (num_tokens, top_k) in x.dtype, ids (num_tokens, top_k)
-    int64, largest first. p = softmax(x W^T) over all experts, in float32 (the logits in x's
+    integer, largest first. p = softmax(x W^T) over all experts, in float32 (the logits in x's
     dtype, as the checkpoint's Linear computes them); the weights are the top_k entries of p,
-    not renormalised (unlike `ops.topk_softmax`, which takes a softmax over the top_k logits
-    only: the two differ by the factor sum of the chosen p). HF name: `weight` (E, hidden).
+    not renormalised over the k (`ops.router_topk(..., renormalize=False)`; Granite's
+    renormalised weights differ by the factor sum of the chosen p). HF name: `weight` (E, hidden).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int):
@@ -213,9 +213,7 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)  # (T, E)
-        weights, ids = probs.topk(self.top_k, dim=-1)  # (T, k)
-        return weights.to(x.dtype), ids
+        return ops.router_topk(x, self.weight, self.top_k, x.dtype, renormalize=False)
 
 
 class _GatedExpert(nn.Module):

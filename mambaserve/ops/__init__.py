@@ -534,8 +534,11 @@ def fused_moe(
     return out[None] if as_partials else out
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None, num_shared: int = 0):
-    """Top-k expert routing: the top_k largest logits of each row and a softmax over them.
+def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None, num_shared: int = 0,
+                 renormalize: bool = True):
+    """Top-k expert routing: the top_k largest logits of each row and a softmax over them
+    (renormalize=False: the softmax over all experts, of which the top_k entries are kept as
+    they are, summing to less than 1: Jamba's router).
 
     logits: (num_tokens, num_experts), any float dtype (compared in float32). Returns
     (weights (num_tokens, top_k + num_shared) in out_dtype (default logits.dtype), ids
@@ -552,13 +555,14 @@ def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None
         from mambaserve.ops.moe import topk_softmax_triton
 
         return topk_softmax_triton(logits if logits.stride(1) == 1 else logits.contiguous(), top_k, out_dtype,
-                                   num_shared)
-    return reference.topk_softmax(logits, top_k, out_dtype, num_shared)
+                                   num_shared, renormalize)
+    return reference.topk_softmax(logits, top_k, out_dtype, num_shared, renormalize)
 
 
 def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None,
-                num_shared: int = 0):
-    """Top-k softmax routing from the hidden states: `topk_softmax` of x @ router_weight^T.
+                num_shared: int = 0, renormalize: bool = True):
+    """Top-k softmax routing from the hidden states: `topk_softmax` of x @ router_weight^T
+    (renormalize as there).
 
     x: (num_tokens, hidden); router_weight: (num_experts, hidden) in x's dtype. Returns
     (weights, ids), each (num_tokens, top_k + num_shared), as `topk_softmax`. A decode step's
@@ -573,8 +577,8 @@ def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dt
         from mambaserve.ops.moe import router_topk_triton
 
         return router_topk_triton(x if x.stride(1) == 1 else x.contiguous(), router_weight.contiguous(), top_k,
-                                  out_dtype, num_shared)
-    return reference.router_topk(x, router_weight, top_k, out_dtype, num_shared)
+                                  out_dtype, num_shared, renormalize)
+    return reference.router_topk(x, router_weight, top_k, out_dtype, num_shared, renormalize)
 
 
 def silu_and_mul(h: torch.Tensor) -> torch.Tensor:

@@ -167,21 +167,26 @@ def _direct_down_kernel(part_ptr, w2_ptr, ids_ptr, wts_ptr, y_ptr, hidden, inter
 
 @triton.jit
 def _store_topk(row, offs, num_experts, w_ptr, ids_ptr, base,
-                TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr):
+                TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                RENORMALIZE: tl.constexpr):
     """Write the TOP_K largest of `row` (float32, -inf past num_experts; the first index among
-    equals) with a softmax over them, then NUM_SHARED always-on ids num_experts + j of weight 1,
-    at ids_ptr / w_ptr + base. NaN entries count as -inf (a padding row of a graphed step); a row
-    with no finite entry gets distinct in-range ids and weights 0."""
+    equals) with a softmax over them (RENORMALIZE; else their entries of the softmax over the
+    whole row), then NUM_SHARED always-on ids num_experts + j of weight 1, at ids_ptr / w_ptr +
+    base. NaN entries count as -inf (a padding row of a graphed step); a row with no finite
+    entry gets distinct in-range ids and weights 0."""
     row = tl.where(row == row, row, float("-inf"))
     top = tl.max(row, 0)
     top = tl.where(top == float("-inf"), 0.0, top)  # a row of no finite logit: weights 0, not NaN
+    denom_all = tl.sum(tl.exp(row - top), 0)  # exp(-inf) = 0: the entries past num_experts add nothing
     if BLOCK_E <= 64:
         # all at once: rank_e = number of entries ahead of e (larger, or equal at a lower index)
         ahead = (row[None, :] > row[:, None]) | ((row[None, :] == row[:, None]) & (offs[None, :] < offs[:, None]))
         rank = tl.sum(ahead.to(tl.int32), axis=1)
         chosen = rank < TOP_K
         p = tl.where(chosen, tl.exp(row - top), 0.0)
-        denom = tl.sum(p, 0)
+        denom = denom_all
+        if RENORMALIZE:
+            denom = tl.sum(p, 0)
         denom = tl.where(denom > 0.0, denom, 1.0)
         tl.store(ids_ptr + base + rank, offs, mask=chosen)
         tl.store(w_ptr + base + rank, (p / denom).to(w_ptr.dtype.element_ty), mask=chosen)
@@ -194,6 +199,8 @@ def _store_topk(row, offs, num_experts, w_ptr, ids_ptr, base,
             idx = tl.min(tl.where((v == m) & ~taken, offs, BLOCK_E), 0)
             denom += tl.exp(m - top)
             taken = taken | (offs == idx)
+        if not RENORMALIZE:
+            denom = denom_all
         denom = tl.where(denom > 0.0, denom, 1.0)
         taken = offs >= num_experts
         for k in tl.static_range(TOP_K):
@@ -210,12 +217,14 @@ def _store_topk(row, offs, num_experts, w_ptr, ids_ptr, base,
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, stride_l,
-                         TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr):
+                         TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                         RENORMALIZE: tl.constexpr):
     """One row of logits: its top-k and their softmax (rows of TOP_K + NUM_SHARED outputs)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     row = tl.load(logits_ptr + t * stride_l + offs, mask=offs < num_experts, other=float("-inf")).to(tl.float32)
-    _store_topk(row, offs, num_experts, w_ptr, ids_ptr, t * (TOP_K + NUM_SHARED), TOP_K, NUM_SHARED, BLOCK_E)
+    _store_topk(row, offs, num_experts, w_ptr, ids_ptr, t * (TOP_K + NUM_SHARED), TOP_K, NUM_SHARED, BLOCK_E,
+                RENORMALIZE)
 
 
 @triton.jit
@@ -239,7 +248,7 @@ def _router_logits_kernel(x_ptr, rw_ptr, part_ptr, hidden, num_experts, stride_x
 @triton.jit
 def _router_topk_kernel(part_ptr, w_ptr, ids_ptr, num_experts, num_splits,
                         OUT_DTYPE: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
-                        BLOCK_E: tl.constexpr):
+                        BLOCK_E: tl.constexpr, RENORMALIZE: tl.constexpr):
     """A token's router logits (its split partials summed in order, rounded to the activation
     dtype as the matrix product's output would be) and their top-k."""
     t = tl.program_id(0).to(tl.int64)
@@ -249,7 +258,8 @@ def _router_topk_kernel(part_ptr, w_ptr, ids_ptr, num_experts, num_splits,
     for s in range(num_splits):
         row += tl.load(part_ptr + (t * num_splits + s) * num_experts + offs, mask=e_mask, other=0.0)
     row = tl.where(e_mask, row.to(OUT_DTYPE).to(tl.float32), float("-inf"))
-    _store_topk(row, offs, num_experts, w_ptr, ids_ptr, t * (TOP_K + NUM_SHARED), TOP_K, NUM_SHARED, BLOCK_E)
+    _store_topk(row, offs, num_experts, w_ptr, ids_ptr, t * (TOP_K + NUM_SHARED), TOP_K, NUM_SHARED, BLOCK_E,
+                RENORMALIZE)
 
 
 # Up to this many tokens the router runs as two small kernels of our own (split product, top-k).
@@ -258,7 +268,7 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 def router_topk_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype,
-                       num_shared: int = 0):
+                       num_shared: int = 0, renormalize: bool = True):
     """x: (num_tokens, hidden), stride 1 along hidden; router_weight: (num_experts, hidden),
     x's dtype, stride 1 along hidden -> (weights, ids) as `topk_softmax_triton` of the logits
     x @ router_weight^T. Few tokens: a split product over many programs, then the top-k (two
@@ -267,7 +277,8 @@ def router_topk_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
     num_experts = router_weight.shape[0]
     block_e = _next_pow2(num_experts)
     if num_tokens > ROUTER_FUSED_MAX_TOKENS or block_e > 1024:
-        return topk_softmax_triton(torch.nn.functional.linear(x, router_weight), top_k, out_dtype, num_shared)
+        return topk_softmax_triton(torch.nn.functional.linear(x, router_weight), top_k, out_dtype, num_shared,
+                                   renormalize)
     weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=x.device)
     ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=x.device)
     if num_tokens:
@@ -279,14 +290,17 @@ def router_topk_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
             x, router_weight, part, hidden, num_experts, x.stride(0), router_weight.stride(0), BLOCK_E=be, BLOCK_H=bh)
         _router_topk_kernel[(num_tokens,)](
             part, weights, ids, num_experts, splits, OUT_DTYPE=_TL_DTYPES[x.dtype], TOP_K=int(top_k),
-            NUM_SHARED=int(num_shared), BLOCK_E=block_e, num_warps=2 if block_e <= 64 else 4)
+            NUM_SHARED=int(num_shared), BLOCK_E=block_e, RENORMALIZE=bool(renormalize),
+            num_warps=2 if block_e <= 64 else 4)
     return weights, ids
 
 
-def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0):
+def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0,
+                        renormalize: bool = True):
     """logits: (num_tokens, num_experts), stride 1 along experts -> (weights (num_tokens,
     top_k + num_shared) in out_dtype, ids (num_tokens, top_k + num_shared) int32): the routed
-    experts, then num_shared always-on ones (num_experts + j, weight 1). One program per token."""
+    experts, then num_shared always-on ones (num_experts + j, weight 1). One program per token.
+    renormalize: a softmax over the top_k (True) or over all experts (False)."""
     num_tokens, num_experts = logits.shape
     weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=logits.device)
     ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=logits.device)
@@ -294,7 +308,7 @@ def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype
         block_e = _next_pow2(num_experts)
         _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
                                             TOP_K=int(top_k), NUM_SHARED=int(num_shared), BLOCK_E=block_e,
-                                            num_warps=2 if block_e <= 64 else 4)
+                                            RENORMALIZE=bool(renormalize), num_warps=2 if block_e <= 64 else 4)
     return weights, ids
 
 

@@ -498,11 +498,11 @@ def fused_moe(
 
 
 def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype,
-                num_shared: int = 0):
+                num_shared: int = 0, renormalize: bool = True):
     """The router's logits x @ router_weight^T (in x's dtype, as the checkpoints' Linear
     computes them), then `topk_softmax`. x: (num_tokens, hidden); router_weight: (num_experts,
     hidden). Returns (weights, ids), each (num_tokens, top_k + num_shared)."""
-    return topk_softmax(F.linear(x, router_weight), top_k, out_dtype, num_shared)
+    return topk_softmax(F.linear(x, router_weight), top_k, out_dtype, num_shared, renormalize)
 
 
 def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
@@ -513,14 +513,21 @@ def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
     return (F.silu(gate) * up).to(h.dtype)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0):
+def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0,
+                 renormalize: bool = True):
     """Top-k routing (Shazeer et al. 2017): the top_k largest logits of each row, in float32, and
-    a softmax over just those. logits: (num_tokens, num_experts). Returns (weights (num_tokens,
-    top_k + num_shared) in out_dtype, ids (num_tokens, top_k + num_shared) int64), largest
-    first, then num_shared always-on experts num_experts .. num_experts + num_shared - 1 with
-    weight 1 (a shared expert stored as extra experts)."""
-    values, ids = logits.to(_compute_dtype(logits)).topk(top_k, dim=-1)
-    weights = torch.softmax(values, dim=-1).to(out_dtype)
+    a softmax over just those (renormalize=True); with renormalize=False the weights are the
+    chosen entries of the softmax over all experts (Jamba's router), which sum to less than 1.
+    logits: (num_tokens, num_experts). Returns (weights (num_tokens, top_k + num_shared) in
+    out_dtype, ids (num_tokens, top_k + num_shared) int64), largest first, then num_shared
+    always-on experts num_experts .. num_experts + num_shared - 1 with weight 1 (a shared
+    expert stored as extra experts)."""
+    full = logits.to(_compute_dtype(logits))
+    values, ids = full.topk(top_k, dim=-1)
+    if renormalize:
+        weights = torch.softmax(values, dim=-1).to(out_dtype)
+    else:
+        weights = torch.exp(values - torch.logsumexp(full, dim=-1, keepdim=True)).to(out_dtype)
     if num_shared:
         T, E = logits.shape
         extra = torch.arange(E, E + num_shared, device=ids.device).expand(T, num_shared)

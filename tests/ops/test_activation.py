@@ -23,19 +23,43 @@ def test_silu_and_mul(dtype, rows, inter):
         assert rel_err(ops.silu_and_mul(h), ref) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 62, 6), (9, 8, 2), (5, 5, 1), (4, 5, 5), (2, 100, 4)])
-def test_topk_softmax(dtype, num_tokens, num_experts, top_k):
+TOPK_CASES = [(1, 62, 6), (9, 8, 2), (5, 5, 1), (4, 5, 5), (2, 100, 4)]
+
+
+def _expected_weights(logits, vals, renormalize):
+    """float64 routing weights of the chosen logits `vals`: a softmax over them, or (renormalize
+    False, Jamba's router) their entries of the softmax over the whole row of `logits`."""
+    if renormalize:
+        return torch.softmax(vals, -1)
+    return torch.exp(vals - torch.logsumexp(logits.double(), -1, keepdim=True))
+
+
+def _check_topk_softmax(dtype, num_tokens, num_experts, top_k, renormalize):
     # distinct values, exact in bfloat16 (ties may be ordered either way)
     logits = torch.stack([torch.randperm(num_experts) for _ in range(num_tokens)]).float().div(4).to(DEVICE, dtype)
     with ops.backend("triton"):
-        w, ids = ops.topk_softmax(logits, top_k, torch.float32)
+        w, ids = ops.topk_softmax(logits, top_k, torch.float32, renormalize=renormalize)
     vals, ref_ids = logits.double().topk(top_k, dim=-1)
+    expected = _expected_weights(logits, vals, renormalize)
     assert torch.equal(ids.long().cpu(), ref_ids.cpu())
-    assert rel_err(w, torch.softmax(vals, -1)) < 1e-6
+    assert rel_err(w, expected) < 1e-6
     with ops.backend("reference"):
-        w2, ids2 = ops.topk_softmax(logits, top_k, dtype)
+        w2, ids2 = ops.topk_softmax(logits, top_k, dtype, renormalize=renormalize)
     assert torch.equal(ids2.cpu(), ref_ids.cpu()) and w2.dtype == dtype
+    assert rel_err(w2, expected) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", TOPK_CASES)
+def test_topk_softmax(dtype, num_tokens, num_experts, top_k):
+    _check_topk_softmax(dtype, num_tokens, num_experts, top_k, renormalize=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", TOPK_CASES)
+def test_topk_of_softmax_over_all_experts(dtype, num_tokens, num_experts, top_k):
+    """renormalize=False (Jamba): the chosen entries of the softmax over all experts."""
+    _check_topk_softmax(dtype, num_tokens, num_experts, top_k, renormalize=False)
 
 
 @pytest.mark.parametrize("num_shared", [1, 2])
@@ -57,6 +81,16 @@ def test_topk_softmax_with_always_on_shared_experts(num_shared):
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])  # 40: past the fused kernel's limit
 def test_router_topk(dtype, num_tokens):
     """Router product and top-k (one kernel for few tokens) against the float64 logits."""
+    _check_router_topk(dtype, num_tokens, renormalize=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_router_topk_of_softmax_over_all_experts(dtype, num_tokens):
+    _check_router_topk(dtype, num_tokens, renormalize=False)
+
+
+def _check_router_topk(dtype, num_tokens, renormalize):
     hidden, E = 70, 11
     x = torch.randn(num_tokens, hidden, device=DEVICE)
     scale = torch.randperm(E, device=DEVICE).float() / 8
@@ -66,13 +100,15 @@ def test_router_topk(dtype, num_tokens):
     x, w = x.to(dtype), w.to(dtype)
     logits = x.double() @ w.double().t()
     vals, ref_ids = logits.topk(4, dim=-1)
+    expected = _expected_weights(logits, vals, renormalize)
     with ops.backend("triton"):
-        tw, ids = ops.router_topk(x, w, 4, torch.float32, num_shared=1)
+        tw, ids = ops.router_topk(x, w, 4, torch.float32, num_shared=1, renormalize=renormalize)
     assert torch.equal(ids[:, :4].long().cpu(), ref_ids.cpu()) and bool((ids[:, 4] == E).all())
-    assert rel_err(tw[:, :4], torch.softmax(vals, -1)) < 4 * tolerance(dtype)
+    assert rel_err(tw[:, :4], expected) < 4 * tolerance(dtype)
     with ops.backend("reference"):
-        tw2, ids2 = ops.router_topk(x, w, 4, torch.float32, num_shared=1)
+        tw2, ids2 = ops.router_topk(x, w, 4, torch.float32, num_shared=1, renormalize=renormalize)
     assert torch.equal(ids2[:, :4].long().cpu(), ref_ids.cpu())
+    assert rel_err(tw2[:, :4], expected) < 4 * tolerance(dtype)
 
 
 def test_topk_softmax_checks_k():
@@ -83,12 +119,13 @@ def test_topk_softmax_checks_k():
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
 def test_topk_softmax_keeps_ids_in_range_for_nan_rows():
     """A graphed step's padding rows may hold NaN: their expert ids must still index weights."""
-    for E in (7, 100):  # both top-k strategies (all at once; rounds of arg-max)
+    # both top-k strategies (all at once; rounds of arg-max), with and without renormalising
+    for E, renormalize in ((7, True), (100, True), (7, False), (100, False)):
         logits = torch.randn(3, E, device=DEVICE)
         logits[1] = float("nan")
         logits[2, 3] = float("nan")
         with ops.backend("triton"):
-            w, ids = ops.topk_softmax(logits, 4, torch.float32)
+            w, ids = ops.topk_softmax(logits, 4, torch.float32, renormalize=renormalize)
         assert int(ids.min()) >= 0 and int(ids.max()) < E
         assert len(set(ids[0].tolist())) == 4 and 3 not in ids[2].tolist()
         assert len(set(ids[1].tolist())) == 4  # distinct experts even for a row of NaN
