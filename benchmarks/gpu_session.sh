@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_session.sh kernels   # bamba-9b step profiles, the Mamba kernel benchmarks, the decode MoE sweep (~7 min)
 #   bash benchmarks/gpu_session.sh async     # granite batch-1 latency with and without async scheduling (~2 min)
 #   bash benchmarks/gpu_session.sh verify    # all GPU tests (ops, engine, parity); mamba-130m latency and scan sweep (~8 min)
+#   bash benchmarks/gpu_session.sh new       # Falcon-H1 and Jamba, never run on a GPU yet: their GPU tests and the router op (~4 min)
 #   bash benchmarks/gpu_session.sh engine    # 2: the three issue-7 models, graphed, transformers, eager (9.5 min)
 #   bash benchmarks/gpu_session.sh families  # 3: zamba2-2.7b and nemotron-h-8b latency (issue 11, ~5 min)
 # A part cut short by its budget: `run_h200.py --resume` (see its docstring) completes it.
@@ -63,6 +64,12 @@ case "${1:-}" in
         | grep -E "^Avg latency|decode time|Error" | sed "s/^/[mamba-130m bs$1 ${2:-}] /"
     done
     ;;
+  new)
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_activation.py tests/engine/test_gpu.py \
+      tests/models/test_parity.py tests/models/test_parity_falcon_h1.py tests/models/test_parity_jamba.py \
+      tests/engine/test_engine_jamba.py -k "falcon or jamba or activation or topk or router" 2>&1 \
+      | tee "$OUT/gpu-tests-new.log" | grep -E "passed|failed|FAILED|Error" | tail -15
+    ;;
   engine)
     timeout 570 python3 benchmarks/run_h200.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
     ;;
@@ -79,5 +86,5 @@ case "${1:-}" in
       done
     done
     ;;
-  *) echo "usage: $0 tests|kernels|async|engine|families" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|kernels|async|verify|new|engine|families" >&2; exit 2 ;;
 esac
