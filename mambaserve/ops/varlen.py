@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-QSL_HOST_KEY = ("query_start_loc", "host")  # our cache of the offsets read back from the device
+QSL_HOST_KEY = ("query_start_loc", "host")  # our cache of the offsets on the host, checked
 QSL_HOST_LIST = "query_start_loc_host"  # offsets the caller already has on the host (a list)
 
 
@@ -36,32 +36,32 @@ def _cached(metadata: dict | None, key, query_start_loc: torch.Tensor, build):
     return value
 
 
-def check_offsets(qsl, num_rows: int | None = None) -> None:
-    """Raise ValueError unless the offsets qsl (batch + 1,) start at 0 or later, never decrease
-    and (num_rows given) end at num_rows or earlier: rows past the end are padding that belongs
-    to no sequence. Kernels index rows by these offsets; a bad one reads and writes out of
-    bounds."""
+def _check_offsets(qsl) -> None:
+    """Raise ValueError unless the offsets qsl (batch + 1,) start at 0 or later and never
+    decrease. Kernels index rows by these offsets; a bad one reads and writes out of bounds
+    (each launcher also checks that the last offset is within its input's rows)."""
     qsl = np.asarray(qsl, dtype=np.int64)
     if qsl.size and (qsl[0] < 0 or (np.diff(qsl) < 0).any()):
         raise ValueError(f"query_start_loc must be non-negative and non-decreasing, got {qsl.tolist()}")
-    if num_rows is not None and qsl.size and qsl[-1] > num_rows:
-        raise ValueError(f"query_start_loc ends at {int(qsl[-1])}, past the {num_rows} rows of the input")
 
 
 def query_start_loc_host(query_start_loc: torch.Tensor, metadata: dict | None) -> np.ndarray:
     """query_start_loc as an int64 numpy array (batch + 1,): the caller's host copy when the
-    metadata holds one, else read from the device once per step. Raises ValueError when the
-    host copy does not match the batch size or the offsets decrease or start below 0."""
-    if metadata is not None and QSL_HOST_LIST in metadata:
-        host = np.asarray(metadata[QSL_HOST_LIST], dtype=np.int64)
-        if host.shape != (query_start_loc.numel(),):
-            raise ValueError(f"metadata[{QSL_HOST_LIST!r}] has {host.size} offsets, the batch has "
-                             f"{query_start_loc.numel()}")
-    else:
-        host = _cached(metadata, QSL_HOST_KEY, query_start_loc,
-                       lambda: np.asarray(query_start_loc.tolist(), dtype=np.int64))
-    check_offsets(host)
-    return host
+    metadata holds one, else read from the device; converted and checked once per step (cached
+    in the metadata). Raises ValueError when the host copy does not match the batch size or the
+    offsets decrease or start below 0."""
+    def build():
+        if metadata is not None and QSL_HOST_LIST in metadata:
+            host = np.asarray(metadata[QSL_HOST_LIST], dtype=np.int64)
+            if host.shape != (query_start_loc.numel(),):
+                raise ValueError(f"metadata[{QSL_HOST_LIST!r}] has {host.size} offsets, the batch has "
+                                 f"{query_start_loc.numel()}")
+        else:
+            host = np.asarray(query_start_loc.tolist(), dtype=np.int64)
+        _check_offsets(host)
+        return host
+
+    return _cached(metadata, QSL_HOST_KEY, query_start_loc, build)
 
 
 def _to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
