@@ -28,7 +28,7 @@ from torch import nn
 from mambaserve import ops
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
-from mambaserve.layers.mamba2 import MambaStateShape, _Conv1dWeights, project_out
+from mambaserve.layers.mamba2 import MambaStateShape, _Conv1dWeights, cached_decay_rates, project_out
 from mambaserve.layers.norm import RMSNorm
 
 
@@ -86,12 +86,8 @@ class MambaMixer(nn.Module):
         return project_out(self.out_proj, y, partials)
 
     def decay_rates(self) -> torch.Tensor:
-        """A = -exp(A_log), float32 (d_inner, d_state), recomputed only when A_log changes."""
-        key = (self.A_log._version, self.A_log.data_ptr())
-        cached = getattr(self, "_decay", None)
-        if cached is None or cached[0] != key:
-            self._decay = cached = (key, -torch.exp(self.A_log.detach().float()))
-        return cached[1]
+        """A = -exp(A_log), float32 (d_inner, d_state): `cached_decay_rates`."""
+        return cached_decay_rates(self)
 
     def ssm(self, xz: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The state-dependent core: conv1d, the input-dependent dt, B, C, and the scan.

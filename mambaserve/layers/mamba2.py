@@ -46,6 +46,15 @@ def project_out(out_proj: nn.Linear, y: torch.Tensor, partials: bool) -> torch.T
     return out_proj(y)
 
 
+def cached_decay_rates(mixer: nn.Module) -> torch.Tensor:
+    """A = -exp(A_log) in float32, the shape of the mixer's A_log ((nheads,) for Mamba2,
+    (d_inner, d_state) for Mamba-1), computed once per weight version, not per step."""
+    version = (mixer.A_log._version, mixer.A_log.data_ptr())
+    if getattr(mixer, "_A_cache", (None,))[0] != version:
+        mixer._A_cache = (version, -torch.exp(mixer.A_log.detach().float()))
+    return mixer._A_cache[1]
+
+
 class _Conv1dWeights(nn.Module):
     def __init__(self, dim: int, width: int, bias: bool):
         super().__init__()
@@ -122,11 +131,8 @@ class Mamba2Mixer(nn.Module):
         return project_out(self.out_proj, y, partials)
 
     def decay_rates(self) -> torch.Tensor:
-        """A = -exp(A_log), float32 (nheads,): computed once per weight version, not per step."""
-        version = (self.A_log._version, self.A_log.data_ptr())
-        if getattr(self, "_A_cache", (None,))[0] != version:
-            self._A_cache = (version, -torch.exp(self.A_log.detach().float()))
-        return self._A_cache[1]
+        """A = -exp(A_log), float32 (nheads,): `cached_decay_rates`."""
+        return cached_decay_rates(self)
 
     def ssm(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The state-dependent core: conv1d and the selective scan (or their one-step updates).

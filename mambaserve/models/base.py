@@ -143,18 +143,22 @@ class HybridForCausalLM(nn.Module):
 
         Matrices and embeddings ~ N(0, initializer_range); norms 1; Mamba A = -(1..nheads)
         (Mamba-1: -(1..d_state) for every channel, S4D-real),
-        D = 1, dt_bias = softplus^-1 of dt log-uniform in [1e-3, 1e-1] (Mamba2's initialisation).
+        D = 1, the step-size bias (Mamba2's `dt_bias`, Mamba-1's `dt_proj.bias`) = softplus^-1
+        of dt log-uniform in [time_step_min, time_step_max] (config fields, default [1e-3, 1e-1];
+        Gu & Dao 2023, section 3.6 and appendix), so that softplus(bias) starts as such a dt.
         """
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = float(getattr(self.config, "initializer_range", 0.02))
+        lo = math.log(float(getattr(self.config, "time_step_min", 1e-3)))
+        hi = math.log(float(getattr(self.config, "time_step_max", 1e-1)))
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             if leaf == "A_log":  # (nheads,) in Mamba2, (d_inner, d_state) in Mamba-1: 1..last dim per row
                 p.copy_(torch.log(torch.arange(1, p.shape[-1] + 1, dtype=torch.float32)).expand_as(p))
             elif leaf == "D":
                 p.fill_(1.0)
-            elif leaf == "dt_bias":
-                dt = torch.exp(torch.rand(p.shape, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+            elif leaf == "dt_bias" or name.endswith("dt_proj.bias"):
+                dt = torch.exp(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
                 p.copy_(dt + torch.log(-torch.expm1(-dt)))
             elif "norm" in name and p.dim() == 1:
                 p.fill_(1.0)

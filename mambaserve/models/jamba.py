@@ -33,7 +33,6 @@ from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.moe import SparseMoeBlock
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import CacheSpec, HybridForCausalLM
-from mambaserve.models.mamba import init_dt_proj_biases
 
 
 def jamba_layer_kinds(config) -> list[tuple[str, bool]]:
@@ -150,10 +149,3 @@ class JambaForCausalLM(HybridForCausalLM):
                 assert layer.self_attn.cache_index == len(spec.attention)
                 spec.attention.append(layer.self_attn.cache_shape())
         return spec
-
-    @torch.no_grad()
-    def init_dummy_weights(self, seed: int = 0) -> None:
-        """The base initialisation (S4D-real A, D = 1, norms 1, matrices N(0, initializer_range)),
-        then Mamba-1's dt_proj biases (`init_dt_proj_biases`)."""
-        super().init_dummy_weights(seed)
-        init_dt_proj_biases([layer.mamba for layer in self.model.layers if layer.kind == "mamba"], self.config, seed)

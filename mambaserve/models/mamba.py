@@ -10,8 +10,6 @@ mixers are in the model dtype. The SSM state dtype follows the engine's mamba_ss
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -72,25 +70,3 @@ class MambaForCausalLM(HybridForCausalLM):
             assert layer.mixer.cache_index == i
             spec.mamba.append(layer.mixer.state_shape())
         return spec
-
-    @torch.no_grad()
-    def init_dummy_weights(self, seed: int = 0) -> None:
-        """The base initialisation (S4D-real A[d, n] = -(n + 1), D = 1), then dt_proj's bias:
-        the inverse softplus of dt log-uniform in [time_step_min, time_step_max] (Gu & Dao 2023,
-        section 3.6 and appendix)."""
-        super().init_dummy_weights(seed)
-        init_dt_proj_biases([layer.mixer for layer in self.backbone.layers], self.config, seed)
-
-
-@torch.no_grad()
-def init_dt_proj_biases(mixers: list[MambaMixer], config, seed: int) -> None:
-    """Each Mamba-1 mixer's dt_proj bias (d_inner,): the inverse softplus of dt log-uniform in
-    [time_step_min, time_step_max] (config fields, default [1e-3, 1e-1]; Gu & Dao 2023, section
-    3.6 and appendix), so that softplus(bias) starts as such a dt."""
-    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
-    lo = math.log(float(getattr(config, "time_step_min", 1e-3)))
-    hi = math.log(float(getattr(config, "time_step_max", 1e-1)))
-    for mixer in mixers:
-        bias = mixer.dt_proj.bias
-        dt = torch.exp(torch.rand(bias.shape, generator=gen) * (hi - lo) + lo)
-        bias.copy_(dt + torch.log(-torch.expm1(-dt)))
