@@ -366,9 +366,7 @@ class LLMEngine:
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
-            elif not p.ignore_eos and token in self.extra_eos_token_ids:
-                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-            elif token in p.stop_token_ids:
+            elif token in p.stop_token_ids or (not p.ignore_eos and token in self.extra_eos_token_ids):
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
         # A stop token's own text is left out of the output, as in vLLM, unless asked for.
         prev_len = len(state.text)

@@ -2,9 +2,11 @@
 
 Mamba-1 (Gu & Dao 2023, section 3, Algorithm 2) has one decay rate per (channel, state) pair,
 A: (dim, dstate), where Mamba2 has one scalar per head; its state is (dim, dstate) per sequence.
-There is no chunked (matrix) form to exploit, so the kernel is the recurrence itself: each
+There is no SSD (matrix) form to exploit, so the kernel is the recurrence itself: each
 program owns a (BLOCK_D, dstate) tile of one sequence's state, in float32 registers, and walks
-that sequence's tokens in order, emitting y for its channels at every step. The grid is
+that sequence's tokens in order, emitting y for its channels at every step; the packed launch
+takes the tokens CHUNK at a time (a parallel prefix scan of their affine steps inside each
+chunk), the decode launch one by one. The grid is
 (channel blocks, sequences): a mixed batch of prefills and one-token decodes is one launch, and
 a decode costs one step of each of its programs.
 
