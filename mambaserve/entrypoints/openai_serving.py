@@ -232,8 +232,6 @@ class OpenAIServing:
         """Validate a chat request and render its messages with the chat template. Raises ApiError."""
         arrival = time.time()
         self.check_model(req.model)
-        if self.tokenizer is None:
-            raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init)")
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if req.n > MAX_SEQUENCES_PER_REQUEST:
