@@ -15,7 +15,7 @@ and the FLOPs it must do. For each case the script prints and records:
     device-to-device copy, bytes read plus written, at the start and at the end: the larger
     is used), and TFLOP/s, from the smaller of gpu_us and kernel_us.
 
-Shapes: the Mamba2 layer of granite-4.0-tiny-preview (shared/configs/granite-4.0-tiny-preview.json:
+Shapes: the Mamba2 layer of granite-4.0-tiny-preview (benchmarks/configs/granite-4.0-tiny-preview.json:
 hidden 1536, expand 2 -> d_inner 3072, 48 heads x 64, d_state 128, 1 group, conv width 4,
 chunk 256), bfloat16 activations, float32 SSM state pool, bfloat16 conv state pool, inputs as
 views of an in_proj-shaped output. Batches: one 31,500-token prefill; 8 x 2,048-token
@@ -28,7 +28,8 @@ Extending: write a function that returns a list of `Case` and decorate it with `
 launch configs of the kernels (on scratch state, never on live state) to tune the fixed configs.
 
 Usage: python3 benchmarks/kernels.py [--output-json PATH] [--only SUBSTRING] [--sweep]
-Needs a CUDA GPU. Writes JSON to PATH (default benchmarks/results/kernels-<gpu>.json).
+Needs a CUDA GPU. Writes JSON to PATH (default: kernels-<gpu>.json in the current folder); the
+results go to benchmarks/results/<gpu>/kernels/ (benchmarks/results/README.md).
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class Case:
     fn: Callable[[], object]
     bytes: int
     flops: int = 0
-    target_us: float | None = None  # the issue's target for this case, if any
-    baseline_us: float | None = None  # vLLM 0.33's Triton kernel on the same H200, from the issue
+    target_us: float | None = None  # our target for this case, if any
+    baseline_us: float | None = None  # vLLM 0.33's Triton kernel on the H200 at the same shapes
     note: str = ""
     extra: dict = field(default_factory=dict)
 
@@ -268,7 +269,7 @@ class Layer:
         return 3 * self.T * D_INNER * 2
 
 
-# vLLM 0.33 Triton kernels on this H200 at these shapes (the issue's figures), and our targets
+# vLLM 0.33 Triton kernels on the H200 at these shapes, and our targets
 PREFILL_BASELINE_US = {"conv1d": 190.0, "mamba_chunk_scan": 810.0}
 PREFILL_TARGET_US = {"conv1d": 140.0, "mamba_chunk_scan": 500.0}
 
@@ -481,9 +482,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/kernels.py needs a CUDA GPU")
     gpu = torch.cuda.get_device_name()
-    path = args.output_json or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results",
-        "kernels-" + re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json")
+    path = args.output_json or "kernels-" + re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json"
     import triton
 
     result = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,

@@ -35,7 +35,7 @@ from mambaserve.ops.varlen import query_start_loc_host
 # parallel prefix scan of the c steps: log2(c) dependent steps instead of c, at twice the
 # arithmetic). Narrow channel blocks spread a single long prompt over many programs (130M:
 # 1,536 channels -> 192 programs per sequence). Measured on an H200 at mamba-130m's shapes
-# (benchmarks/results/session4/kernels-mamba1.json): a 2,048-token prefill takes 285 us in
+# (benchmarks/results/h200/kernels/mamba1-selective-scan.json): a 2,048-token prefill takes 285 us in
 # chunks of 32 against 1,148-3,400 us token by token; decode at batch 256 takes 21 us with
 # 32-channel blocks against 55 us with 8-channel ones.
 SCAN_CONFIG = {"block_d": 8, "num_warps": 4, "chunk": 32}  # the packed (prefill + decode) launch

@@ -297,8 +297,8 @@ def test_hf_baseline_writes_the_same_fields(tmp_path):
     assert rec["truncated"] is False and rec["generated_tokens_incl_padding"] >= rec["total_output_tokens"]
 
 
-def test_run_h200_plan_and_summary():
-    run = _script("run_h200")
+def test_bench_models_plan_and_summary():
+    run = _script("bench_models")
     names = run.expected_runs(run.MODELS, run.PARTS)
     # per model: graphs 3 latency + throughput, transformers the same, eager 3 latency
     assert len(names) == len(set(names)) == 3 * 11

@@ -1,6 +1,8 @@
-"""The H200 benchmark run of issue 7, in one command that ends within a time budget (default 9 min).
+"""Latency and throughput of the model configs on the GPU at hand: mambaserve with CUDA graphs,
+mambaserve eager, and transformers, in one command that ends within a time budget (default 9 min).
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/run_h200.py --out-dir "$OUT"
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_models.py --out-dir "$OUT"
+    python3 benchmarks/file_results.py "$OUT/bench-models.json" --commit HASH   # afterwards, in the checkout
 
 For granite-4.0-tiny-preview, bamba-9b and mamba-codestral-7b (benchmarks/configs/, random
 weights, bfloat16) it runs:
@@ -15,15 +17,19 @@ Each (engine, model) pair is one worker process that builds the engine once and 
 workloads in turn, in that priority order; a worker gets what is left of the budget (keeping a
 floor for each worker still to come) and is killed past it. Every workload writes its own
 record (the same JSON as `mambaserve bench ...` / hf_baseline.py) as soon as it ends, and
-after every worker the driver merges all of them into OUT/bench-h200.json and rewrites
-OUT/bench-h200.md (the table: ours vs transformers); the workers' output goes to
-OUT/bench-h200.log. A run cut short still leaves what it measured. Without --out-dir (and no
-$OUT) the files go to benchmarks/results/.
+after every worker the driver merges all of them into OUT/bench-models.json and rewrites
+OUT/bench-models.md (the table: ours vs transformers); the workers' output goes to
+OUT/bench-models.log. A run cut short still leaves what it measured. Without --out-dir (and no
+$OUT) the files go to a new temporary folder, named at the end. Three files in all, whatever the
+number of workloads; file_results.py then files each record under benchmarks/results/<gpu>/
+(latency/, throughput/, and the table as models.md).
 
---models, --parts and --budget-s select less or allow more. A run cut short is completed by a
-second one that resumes from the first's records: `--resume bench-h200.json` (a copy of the
-first run's file in the checkout) runs only the workers it lacks and writes the merged file.
---smoke shrinks every workload to a few tokens so the plumbing runs on a CPU.
+Arguments: --out-dir, --work-dir (the per-workload records; default a temporary folder),
+--models (config names or paths), --parts (graphed hf eager), --budget-s (540),
+--hf-max-seconds (20), --resume, --smoke. A run cut short is completed by a second one that
+resumes from the first's records: `--resume bench-models.json` (a copy of the first run's file
+in the checkout) runs only the workers it lacks and writes the merged file. --smoke shrinks
+every workload to a few tokens so the plumbing runs on a CPU.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ LATENCY = {
     "hf": [("in1024-out128-bs1", 1024, 128, 1, 0, 1), ("in1024-out128-bs32", 1024, 128, 32, 0, 1)],
 }
 NUM_PROMPTS = 1000
-SKIPPED = {("hf", "in31500-out128-bs1"): "transformers runs out of memory on a 31,500-token prompt (issue 6)"}
+SKIPPED = {("hf", "in31500-out128-bs1"): "transformers runs out of memory on a 31,500-token prompt"}
 CAP_S = {"graphed": 150, "hf": 100, "eager": 90}  # most seconds one worker may take
 FLOOR_S = {"graphed": 45, "hf": 40, "eager": 35}  # kept back for each worker still to come
 SMOKE = {"latency": (12, 3, 2, 0, 1), "num_prompts": 4, "output_len": 3}
@@ -62,7 +68,8 @@ SMOKE = {"latency": (12, 3, 2, 0, 1), "num_prompts": 4, "output_len": 3}
 
 # ------------------------------------------------------------------ workers
 def _model_args(model: str, smoke: bool) -> list[str]:
-    path = model if os.path.exists(model) else str(REPO / "benchmarks" / "configs" / f"{model}.json")
+    # relative to the repository (the workers run there), so that records hold no machine paths
+    path = model if os.path.exists(model) else f"benchmarks/configs/{model}.json"
     if smoke:
         return ["--model", path, "--dtype", "float32"]
     return ["--model", path, "--load-format", "dummy", "--dtype", "bfloat16"]
@@ -81,8 +88,8 @@ def _throughput_flags(smoke: bool, hf: bool = False) -> list[str]:
     if smoke:
         flags += ["--output-len", str(SMOKE["output_len"])] + ([] if hf else ["--num-warmup-prompts", "1"])
     if hf:
-        # transformers' PyTorch SSD scan needs 128-512 GiB at batches of 32 of these prompts (OOM
-        # in session 3): batches of 2 fit
+        # transformers' PyTorch SSD scan needs 128-512 GiB at batches of 32 of these prompts (out
+        # of memory on the H200): batches of 2 fit
         flags += ["--hf-max-batch-size", "2"]
     return flags
 
@@ -204,11 +211,22 @@ def merge(work: Path, out_dir: Path, models, statuses: dict, started: float, pri
             worker = f"{name.split('__')[0]}/{part}"
             runs[name] = {"not_run": statuses.get(worker, "not started (time budget or --parts)")}
     gpu = next((r["environment"]["gpu"] for r in runs.values() if "environment" in r), None)
-    result = {"gpu": gpu, "elapsed_s": round(time.monotonic() - started, 1), "workers": statuses, "runs": runs}
+    result = {"gpu": gpu, "commit": _commit(), "elapsed_s": round(time.monotonic() - started, 1),
+              "workers": statuses, "runs": runs}
     result["summary_markdown"] = summary_table(runs, models)
-    write_json(out_dir / "bench-h200.json", result)
-    (out_dir / "bench-h200.md").write_text(f"GPU: {gpu}\n\n" + result["summary_markdown"] + "\n")
+    write_json(out_dir / "bench-models.json", result)
+    (out_dir / "bench-models.md").write_text(f"GPU: {gpu}\n\n" + result["summary_markdown"] + "\n")
     return result
+
+
+def _commit() -> str | None:
+    """The checkout's commit, if it is a git checkout (a copied tree is not: file_results.py --commit)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=REPO,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def _measured(rec: dict | None) -> bool:
@@ -236,7 +254,8 @@ def summary_table(runs: dict, models) -> str:
         m = _stem(model)
         for job in [f"latency-{n[0]}" for n in LATENCY["graphed"]] + ["throughput-sharegpt-synthetic"]:
             kind = job.split("-")[0]
-            g, e, h = (runs.get(f"{m}__{eng}__{job}") for eng in ("mambaserve-graphed", "mambaserve-eager", "transformers"))
+            engines = ("mambaserve-graphed", "mambaserve-eager", "transformers")
+            g, e, h = (runs.get(f"{m}__{eng}__{job}") for eng in engines)
             ratio = "-"
             if _measured(g) and _measured(h):
                 ratio = (h["avg_latency"] / g["avg_latency"] if kind == "latency"
@@ -245,13 +264,14 @@ def summary_table(runs: dict, models) -> str:
             rows.append(f"| {m} | {job} | {_cell(g, kind)} | {_cell(e, kind)} | {_cell(h, kind)} | {ratio} |")
     rows += ["", "Latency: average seconds per batch (decode ms per output token); throughput: total tokens/s "
              "(output tokens/s). Speed-up: transformers' latency over ours with graphs, or our throughput over "
-             "transformers' (a transformers run cut to a time window overstates it: the speed-up is then a lower bound)."]
+             "transformers' (a transformers run cut to a time window overstates it: the speed-up is then a lower "
+             "bound)."]
     rows += _targets(runs, models)
     return "\n".join(rows)
 
 
 def _targets(runs: dict, models) -> list[str]:
-    """Issue 7's targets: bamba-9b >= 11,000 total tokens/s; every latency workload >= 10x transformers."""
+    """The targets: bamba-9b >= 11,000 total tokens/s; every latency workload >= 10x transformers."""
     lines = []
     thr = runs.get("bamba-9b__mambaserve-graphed__throughput-sharegpt-synthetic")
     if "bamba-9b" in [_stem(m) for m in models] and _measured(thr):
@@ -265,25 +285,27 @@ def _targets(runs: dict, models) -> list[str]:
                 r = h["avg_latency"] / g["avg_latency"]
                 lines.append(f"- {_stem(model)} latency {name}: {r:.1f}x transformers (target >= 10x): "
                              f"{'met' if r >= 10 else 'NOT met'}")
-    return ["", "Targets (issue 7):"] + lines if lines else []
+    return ["", "Targets:"] + lines if lines else []
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out-dir", default=os.environ.get("OUT") or str(REPO / "benchmarks" / "results"))
+    p.add_argument("--out-dir", default=os.environ.get("OUT") or None,
+                   help="where bench-models.json/.md/.log go (default: $OUT, else a new temporary folder)")
     p.add_argument("--work-dir", default=None,
-                   help="where each workload's record goes (default: a temporary folder; bench-h200.json holds them all)")
+                   help="where each workload's record goes (default: a temporary folder; "
+                        "bench-models.json holds them all)")
     p.add_argument("--models", nargs="+", default=MODELS, help="config names in benchmarks/configs, or paths")
     p.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS)
     p.add_argument("--budget-s", type=float, default=540)
     p.add_argument("--hf-max-seconds", type=float, default=20)
-    p.add_argument("--resume", default=None, metavar="BENCH_H200_JSON",
-                   help="an earlier run's bench-h200.json: keep its records, run only the workers it lacks")
+    p.add_argument("--resume", default=None, metavar="BENCH_MODELS_JSON",
+                   help="an earlier run's bench-models.json: keep its records, run only the workers it lacks")
     p.add_argument("--smoke", action="store_true", help="a few tokens per workload, float32: test the plumbing on CPU")
     p.add_argument("--worker", nargs=2, metavar=("PART", "MODEL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    out_dir = Path(args.out_dir)
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="mambaserve-h200-"))
+    out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="bench-models-out-"))
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="mambaserve-bench-models-"))
     if args.worker:
         part, model = args.worker
         if part == "hf":
@@ -300,9 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.resume) as f:
             prior = json.load(f)["runs"]
     plan = [(part, model) for part in args.parts for model in args.models
-            if not all(_measured(prior.get(n)) or "skipped" in prior.get(n, {}) for n in expected_runs([model], [part]))]
+            if not all(_measured(prior.get(n)) or "skipped" in prior.get(n, {})
+                       for n in expected_runs([model], [part]))]
     statuses: dict[str, str] = {}
-    with open(out_dir / "bench-h200.log", "a") as log:
+    with open(out_dir / "bench-models.log", "a") as log:
         for k, (part, model) in enumerate(plan):
             left = args.budget_s - (time.monotonic() - started)
             reserve = sum(FLOOR_S[q] for q, _ in plan[k + 1:])
@@ -320,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             statuses[key] = run_worker(cmd + (["--smoke"] if args.smoke else []), timeout, log)
             merge(work, out_dir, args.models, statuses, started, prior)
     result = merge(work, out_dir, args.models, statuses, started, prior)
-    print(f"\nGPU: {result['gpu']}; {result['elapsed_s']} s; records in {out_dir / 'bench-h200.json'}\n")
+    print(f"\nGPU: {result['gpu']}; {result['elapsed_s']} s; records in {out_dir / 'bench-models.json'}\n")
     print(result["summary_markdown"])
     missing = sorted({f"{k}: {v}" for k, v in statuses.items() if v != "ok"})
     if missing:

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Benchmarks on a GPU, in parts of under 10 minutes each, on random weights (benchmarks/configs/, bf16).
+# Run from the repository root on the GPU machine: bash benchmarks/gpu_benchmarks.sh PART
+# Results land in $OUT (default: a new temporary folder), at most 8 files a part.
+#   models             bench_models.py: granite-4.0-tiny-preview, bamba-9b, mamba-codestral-7b; graphs,
+#                      eager and transformers (9.5 min)
+#   async-scheduling   granite batch-1 latency with and without async scheduling at 1,024 and 31,500 in,
+#                      and eager at 31,500 (~2 min)
+#   zamba2-nemotron-h  zamba2-2.7b and nemotron-h-8b latency, graphs and eager, batch 1 and 32 (~5 min)
+#   mamba1             mamba-130m latency; the Mamba-1 scan kernel and its config sweep (~2 min)
+#   kernels            bamba-9b step profiles, the Mamba2 kernel benchmarks and sweep, the decode MoE
+#                      tile sweep (~7 min)
+#   throughput-steps   bamba-9b throughput with its step breakdown; a granite step profile (~4 min)
+# Afterwards, in the checkout: `python3 benchmarks/file_results.py OUT/*.json --commit HASH` files the
+# latency and throughput records (and bench-models.json) under benchmarks/results/<gpu>/; kernel and
+# profile records go by hand to <gpu>/kernels/ and <gpu>/profiles/ (benchmarks/results/README.md).
+# A `models` run cut short by its budget: `bench_models.py --resume` (see its docstring) completes it.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$(mktemp -d)}
+BENCH="python3 -m mambaserve.entrypoints.cli bench"
+DUMMY="--load-format dummy --dtype bfloat16 --skip-tokenizer-init --disable-tqdm"
+case "${1:-}" in
+  models)
+    timeout 570 python3 benchmarks/bench_models.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
+    ;;
+  async-scheduling)
+    # batch-1 decode with and without async scheduling, side by side (1,024 and 31,500 in), then eager at
+    # 31,500 in the same script (3 warm-up, 3 timed iterations each)
+    for run in "--async-scheduling 1024" "--async-scheduling 31500" "--no-async-scheduling 1024" \
+               "--no-async-scheduling 31500" "--enforce-eager 31500"; do
+      set -- $run
+      timeout 100 $BENCH latency --model benchmarks/configs/granite-4.0-tiny-preview.json $DUMMY \
+        --input-len "$2" --output-len 128 --batch-size 1 --num-iters-warmup 3 --num-iters 3 --max-model-len 32768 \
+        $1 --output-json "$OUT/latency-granite-in$2${1/--/-}.json" 2>&1 \
+        | grep -E "^Avg latency|decode time|Error" | sed "s/^/[in$2 $1] /"
+    done
+    ;;
+  zamba2-nemotron-h)
+    # eager and graphs, batch 1 and 32 (one warm-up, two timed iterations: eager decode is slow); 8 files
+    for mode in "" "--enforce-eager"; do
+      for b in 1 32; do
+        for m in zamba2-2.7b nemotron-h-8b; do
+          timeout 75 $BENCH latency --model "benchmarks/configs/$m.json" $DUMMY --input-len 1024 --output-len 128 \
+            --batch-size "$b" --num-iters-warmup 1 --num-iters 2 --max-model-len 2048 --max-num-batched-tokens 4096 \
+            $mode --output-json "$OUT/latency-$m-bs$b${mode:+-eager}.json" 2>&1 \
+            | grep -E "^Avg latency|decode time" | sed "s/^/[$m bs$b${mode:+ eager}] /"
+        done
+      done
+    done
+    ;;
+  mamba1)
+    timeout 60 python3 benchmarks/kernels.py --only selective_scan --sweep \
+      --output-json "$OUT/kernels-mamba1-selective-scan.json" 2>&1 | tail -12
+    for run in "1 " "32 " "1 --enforce-eager"; do
+      set -- $run
+      timeout 60 $BENCH latency --model benchmarks/configs/mamba-130m.json $DUMMY --input-len 1024 --output-len 128 \
+        --batch-size "$1" --num-iters-warmup 2 --num-iters 3 --max-model-len 2048 ${2:-} \
+        --output-json "$OUT/latency-mamba-130m-bs$1${2:+-eager}.json" 2>&1 \
+        | grep -E "^Avg latency|decode time|Error" | sed "s/^/[mamba-130m bs$1 ${2:-}] /"
+    done
+    ;;
+  kernels)
+    # bamba-9b: a prefill, decode at batch 32, and steps of 64 decodes + one 512-token prompt (host side too)
+    timeout 200 python3 benchmarks/profile_step.py --model bamba-9b --modes graphed --input-len 512 --batch-size 32 \
+      --decode-steps 8 --mixed-decodes 64 --share 0.8 \
+      --output-json "$OUT/profile-bamba-9b-in512-bs32-mixed64.json" 2>&1 \
+      | grep -E "^\[|^ " | cut -c1-150 | head -120
+    timeout 200 python3 benchmarks/kernels.py --sweep --output-json "$OUT/kernels-mamba2.json" 2>&1 | tail -30
+    timeout 60 python3 benchmarks/kernels_attention_moe.py --only-decode-moe \
+      --out "$OUT/kernels-moe-decode-sweep.json" 2>&1 | tail -9
+    ;;
+  throughput-steps)
+    # bamba-9b throughput with the engine's step breakdown (decode-graph, piecewise and eager steps)
+    timeout 170 $BENCH throughput --model benchmarks/configs/bamba-9b.json $DUMMY --dataset sharegpt-synthetic \
+      --num-prompts 1000 --max-model-len 4096 --output-json "$OUT/throughput-bamba-9b.json" 2>&1 \
+      | grep -E "^Throughput|^  steps|Error"
+    timeout 90 python3 benchmarks/profile_step.py --model granite-4.0-tiny-preview --modes graphed \
+      --output-json "$OUT/profile-granite-4.0-tiny-preview-in1024-bs1.json" 2>&1 | grep -E "^\[|^ "
+    ;;
+  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps" >&2; exit 2 ;;
+esac
+echo "results in $OUT"
