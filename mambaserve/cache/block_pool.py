@@ -8,6 +8,8 @@ knows nothing about layers or dtypes.
 
 from __future__ import annotations
 
+from mambaserve.cache.index_pool import IndexPool
+
 
 class BlockPool:
     """`num_blocks` KV blocks of `block_size` tokens, each owned by at most one request."""
@@ -19,17 +21,15 @@ class BlockPool:
             raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # Reversed so that the first allocations return 0, 1, 2, ...
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._used: set[int] = set()
+        self._ids = IndexPool(num_blocks)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._ids.num_free
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return self._ids.num_used
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold `num_tokens` tokens: ceil(num_tokens / block_size)."""
@@ -38,20 +38,17 @@ class BlockPool:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self._ids.num_free
 
     def allocate(self, n: int) -> list[int]:
         """Take `n` free blocks, all or nothing. Raises RuntimeError if fewer than n are free."""
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
-        if n > len(self._free):
+        if n > self._ids.num_free:
             raise RuntimeError(
-                f"need {n} KV blocks, only {len(self._free)} of {self.num_blocks} free"
+                f"need {n} KV blocks, only {self._ids.num_free} of {self.num_blocks} free"
             )
-        blocks = [self._free.pop() for _ in range(n)]
-        assert self._used.isdisjoint(blocks)
-        self._used.update(blocks)
-        return blocks
+        return self._ids.take(n)
 
     def free(self, blocks: list[int]) -> None:
         """Return blocks, all or nothing. Raises ValueError if any is not currently allocated
@@ -59,12 +56,11 @@ class BlockPool:
         blocks = list(blocks)
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"cannot free the same KV block twice in one call: {blocks}")
-        bad = [b for b in blocks if b not in self._used]
+        bad = [b for b in blocks if not self._ids.is_used(b)]
         if bad:
             raise ValueError(f"cannot free KV blocks {bad}: not allocated (double free or unknown)")
-        self._used.difference_update(blocks)
-        # Reversed so that freeing then allocating the same count returns the same order.
-        self._free.extend(reversed(blocks))
+        # freeing then allocating the same count returns the same order
+        self._ids.give_back(blocks)
 
     def __repr__(self) -> str:
         return f"BlockPool(used={self.num_used}/{self.num_blocks}, block_size={self.block_size})"

@@ -8,6 +8,8 @@ anything (the engine marks a newly admitted request as having no initial state).
 
 from __future__ import annotations
 
+from mambaserve.cache.index_pool import IndexPool
+
 
 class StateSlotPool:
     """A fixed set of `num_slots` state slots, each held by at most one request at a time.
@@ -18,39 +20,32 @@ class StateSlotPool:
     def __init__(self, num_slots: int) -> None:
         if not isinstance(num_slots, int) or num_slots < 1:
             raise ValueError(f"num_slots must be an integer >= 1, got {num_slots!r}")
-        self._num_slots = num_slots
-        # Reversed so that the first allocations return 0, 1, 2, ...
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._used: set[int] = set()
+        self._ids = IndexPool(num_slots)
 
     @property
     def num_slots(self) -> int:
-        return self._num_slots
+        return self._ids.size
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._ids.num_free
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return self._ids.num_used
 
     def allocate(self) -> int:
         """Take a free slot. Raises RuntimeError if every slot is in use."""
-        if not self._free:
-            raise RuntimeError(f"no free state slot (all {self._num_slots} in use)")
-        slot = self._free.pop()
-        assert slot not in self._used
-        self._used.add(slot)
-        return slot
+        if not self._ids.num_free:
+            raise RuntimeError(f"no free state slot (all {self.num_slots} in use)")
+        return self._ids.take(1)[0]
 
     def free(self, slot: int) -> None:
         """Return a slot. Raises ValueError for a slot that is not currently allocated."""
-        if slot not in self._used:
-            why = "out of range" if not 0 <= slot < self._num_slots else "already free"
+        if not self._ids.is_used(slot):
+            why = "out of range" if not 0 <= slot < self.num_slots else "already free"
             raise ValueError(f"cannot free state slot {slot!r}: {why}")
-        self._used.remove(slot)
-        self._free.append(slot)
+        self._ids.give_back([slot])
 
     def __repr__(self) -> str:
-        return f"StateSlotPool(used={self.num_used}/{self._num_slots})"
+        return f"StateSlotPool(used={self.num_used}/{self.num_slots})"

@@ -1,11 +1,21 @@
-"""StateSlotPool and BlockPool: never hand out a slot or block twice, return to full when freed."""
+"""IndexPool, StateSlotPool and BlockPool: never hand out a slot or block twice, return to full when freed."""
 
 import random
 
 import pytest
 
 from mambaserve.cache.block_pool import BlockPool
+from mambaserve.cache.index_pool import IndexPool
 from mambaserve.cache.state_pool import StateSlotPool
+
+
+def test_index_pool_hands_out_in_order_and_reuses_last_freed_first():
+    pool = IndexPool(4)
+    assert pool.take(3) == [0, 1, 2] and (pool.num_free, pool.num_used) == (1, 3)
+    pool.give_back([2, 0])
+    assert pool.take(2) == [2, 0]  # the same ids, in the order they were given back
+    assert pool.take(1) == [3] and pool.num_free == 0
+    assert pool.is_used(0) and not pool.is_used(4)
 
 
 def test_slot_pool_exhaustion_and_reuse():
