@@ -4,10 +4,16 @@ q/k/v projections, optional RoPE, the new keys and values written into the paged
 mapping, then causal attention over each sequence's cached prefix plus its new tokens
 (`mambaserve.ops.paged_attention`), then o_proj. Prefill chunks and decodes share one call.
 The layer reads its (k_cache, v_cache) pair from `ctx.kv_caches[cache_index]`.
+
+One layer serves every family, Zamba2's shared blocks included: their input is wider than the
+output (`input_size`), one module runs at several depths, each with its own KV cache
+(`cache_index` as a tuple, the depth's index given per call) and its own LoRA adapters on q, k
+and v (`lora_rank`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +22,7 @@ from torch import nn
 from mambaserve import ops
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
+from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.rotary import RotaryEmbedding
 
 
@@ -28,7 +35,7 @@ class AttentionCacheShape:
 
 
 class Attention(nn.Module):
-    """hidden_states: (num_tokens, hidden_size), positions: (num_tokens,) -> (num_tokens, hidden_size)."""
+    """hidden_states: (num_tokens, input_size), positions: (num_tokens,) -> (num_tokens, hidden_size)."""
 
     def __init__(
         self,
@@ -40,37 +47,70 @@ class Attention(nn.Module):
         scale: float,
         bias: bool = False,
         rotary: RotaryEmbedding | None = None,
-        cache_index: int = 0,
+        cache_index: int | tuple[int, ...] = 0,
+        input_size: int | None = None,
+        lora_rank: int | None = None,
     ):
+        """cache_index: the layer's KV cache index, or for a layer shared by several depths one
+        index per depth (forward then takes the calling depth's). input_size: the input's width
+        when it is not hidden_size (Zamba2: concat(h, embeddings), 2 * hidden_size); o_proj maps
+        to hidden_size. lora_rank: per-depth adapters q += B_i(A_i(x)) (and k, v likewise) for
+        the call's cache index i, in `linear_{q,k,v}_adapter_list.{i}` (Zamba2's names)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
-        self.cache_index = cache_index
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.cache_indices = (cache_index,) if isinstance(cache_index, int) else tuple(cache_index)
+        assert self.cache_indices, "an attention layer needs at least one KV cache index"
+        d_in = input_size or hidden_size
+        q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = nn.Linear(d_in, q_out, bias=bias)
+        self.k_proj = nn.Linear(d_in, kv_out, bias=bias)
+        self.v_proj = nn.Linear(d_in, kv_out, bias=bias)
+        self.o_proj = nn.Linear(q_out, hidden_size, bias=bias)
         self.rotary = rotary
+        self.lora = lora_rank is not None
+        if self.lora:
+            self.linear_q_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, q_out)
+            self.linear_k_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, kv_out)
+            self.linear_v_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, kv_out)
+
+    @property
+    def cache_index(self) -> int:
+        """The KV cache index of a layer that has one."""
+        assert len(self.cache_indices) == 1, "a shared attention layer is called with its depth's cache_index"
+        return self.cache_indices[0]
 
     def cache_shape(self) -> AttentionCacheShape:
         return AttentionCacheShape(self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext,
+                cache_index: int | None = None) -> torch.Tensor:
+        """cache_index: which of a shared layer's KV caches (and adapters) this call uses."""
+        index = self.cache_index if cache_index is None else cache_index
+        assert index in self.cache_indices, (index, self.cache_indices)
         T = hidden_states.shape[0]
-        q = self.q_proj(hidden_states).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        if self.lora:
+            key = str(index)
+            q = q + self.linear_q_adapter_list[key](hidden_states)
+            k = k + self.linear_k_adapter_list[key](hidden_states)
+            v = v + self.linear_v_adapter_list[key](hidden_states)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.rotary is not None:
             q, k = self.rotary(positions, q, k)
-        out = split_op(self.attend, (q, k, v), ctx)  # (T, num_heads, head_dim)
+        attend = self.attend if cache_index is None else functools.partial(self.attend, cache_index=index)
+        out = split_op(attend, (q, k, v), ctx)  # (T, num_heads, head_dim)
         return self.o_proj(out.view(T, self.num_heads * self.head_dim))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+               cache_index: int | None = None) -> torch.Tensor:
         """Write this step's K/V into the paged cache, then attend. q: (T, num_heads, head_dim),
         k, v: (T, num_kv_heads, head_dim). Returns (T, num_heads, head_dim)."""
-        k_cache, v_cache = ctx.kv_caches[self.cache_index]
+        k_cache, v_cache = ctx.kv_caches[self.cache_index if cache_index is None else cache_index]
         ops.reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
         return ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc,
                                    self.scale, metadata=ctx.metadata)

@@ -3,7 +3,8 @@
 HF names: model.embed_tokens, model.layers.{i}.input_layernorm, .mamba.* or .self_attn.*,
 .pre_ff_layernorm, .feed_forward.{gate,up,down}_proj, model.final_layernorm, lm_head.
 Attention layers are given by `attn_layer_indices`; RoPE rotates the first
-partial_rotary_factor (0.5) of each head; the softmax scale is 1/sqrt(head_dim).
+partial_rotary_factor (0.5) of each head; the softmax scale is 1/sqrt(head_dim), with
+head_dim = hidden_size // num_attention_heads unless the config sets one (as transformers).
 """
 
 from __future__ import annotations
@@ -12,19 +13,18 @@ import torch
 from torch import nn
 
 from mambaserve.engine.forward_context import ForwardContext
-from mambaserve.layers.attention import Attention
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
-from mambaserve.models.base import HybridForCausalLM, build_layers, mamba_mixer_from_config
-
-
-def rope_settings(config) -> tuple[float, float]:
-    """(theta, partial_rotary_factor) from either the old or the `rope_parameters` config layout."""
-    params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return float(theta), float(partial)
+from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_utils import (
+    attention_from_config,
+    attention_head_dim,
+    cache_indices,
+    layer_kinds,
+    mamba_mixer_from_config,
+    rotary_from_config,
+)
 
 
 class _Layer(nn.Module):
@@ -35,17 +35,7 @@ class _Layer(nn.Module):
         if kind == "mamba":
             self.mamba = mamba_mixer_from_config(config, cache_index)
         else:
-            head_dim = config.hidden_size // config.num_attention_heads
-            self.self_attn = Attention(
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=head_dim,
-                scale=head_dim**-0.5,
-                bias=getattr(config, "attention_bias", False),
-                rotary=rotary,
-                cache_index=cache_index,
-            )
+            self.self_attn = attention_from_config(config, cache_index, rotary=rotary)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
 
@@ -54,10 +44,10 @@ class _Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        head_dim = config.hidden_size // config.num_attention_heads
-        theta, partial = rope_settings(config)
-        rotary = RotaryEmbedding(head_dim, int(head_dim * partial), theta)
-        self.layers = build_layers(config, lambda kind, i: _Layer(config, kind, i, rotary if kind == "attention" else None))
+        rotary = rotary_from_config(config, attention_head_dim(config))
+        kinds = layer_kinds(config)
+        self.layers = nn.ModuleList(_Layer(config, kind, i, rotary if kind == "attention" else None)
+                                    for kind, i in zip(kinds, cache_indices(kinds)))
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 

@@ -28,66 +28,6 @@ class CacheSpec:
     attention: list[AttentionCacheShape] = field(default_factory=list)
 
 
-def layer_kinds(config) -> list[str]:
-    """Normalise a hybrid config's layer pattern to a list of "mamba" / "attention".
-
-    Reads `layer_types` or `layers_block_type` (values "mamba"/"linear_attention" or
-    "attention"/"full_attention"), else `attn_layer_indices` (Bamba). Raises ValueError when the
-    pattern is missing or names another kind.
-    """
-    n = config.num_hidden_layers
-    names = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
-    if names is None and getattr(config, "attn_layer_indices", None) is not None:
-        attn = set(config.attn_layer_indices)
-        names = ["attention" if i in attn else "mamba" for i in range(n)]
-    if names is None or len(names) != n:
-        raise ValueError(f"config gives no layer pattern of length {n} (layer_types / attn_layer_indices)")
-    aliases = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention"}
-    try:
-        return [aliases[name] for name in names]
-    except KeyError as e:
-        raise ValueError(f"unknown layer type {e.args[0]!r} in the config's layer pattern") from None
-
-
-def dt_limit(config) -> tuple[float, float]:
-    limit = getattr(config, "time_step_limit", None)
-    if limit is None:
-        return (0.0, math.inf)
-    return (float(limit[0]), float(limit[1]))
-
-
-def mamba_mixer_from_config(config, cache_index: int, **overrides) -> Mamba2Mixer:
-    """The Mamba2 mixer of a config that names its fields `mamba_*` (Bamba, Granite 4.0-H,
-    Falcon-H1); `overrides` replace or add Mamba2Mixer keywords (Falcon-H1's width and norm)."""
-    kw = dict(
-        hidden_size=config.hidden_size,
-        num_heads=config.mamba_n_heads,
-        head_dim=config.mamba_d_head,
-        d_state=config.mamba_d_state,
-        n_groups=config.mamba_n_groups,
-        conv_kernel=config.mamba_d_conv,
-        chunk_size=config.mamba_chunk_size,
-        intermediate_size=int(config.mamba_expand * config.hidden_size),
-        use_conv_bias=config.mamba_conv_bias,
-        use_bias=config.mamba_proj_bias,
-        eps=config.rms_norm_eps,
-        dt_limit=dt_limit(config),
-        cache_index=cache_index,
-    )
-    return Mamba2Mixer(**{**kw, **overrides})
-
-
-def build_layers(config, make_layer) -> nn.ModuleList:
-    """One layer per entry of `layer_kinds(config)`: make_layer(kind, cache_index), where the
-    cache index counts the layers of the same kind before it (Mamba and KV caches apart)."""
-    counts = {"mamba": 0, "attention": 0}
-    layers = []
-    for kind in layer_kinds(config):
-        layers.append(make_layer(kind, counts[kind]))
-        counts[kind] += 1
-    return nn.ModuleList(layers)
-
-
 class HybridForCausalLM(nn.Module):
     """Common parts: logits, cache declaration, parameter initialisation for dummy weights.
 

@@ -42,26 +42,17 @@ import torch
 from torch import nn
 
 from mambaserve.engine.forward_context import ForwardContext
-from mambaserve.layers.attention import Attention
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
-from mambaserve.models.base import HybridForCausalLM, mamba_mixer_from_config
-
-
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def _rope_theta(config) -> float:
-    """RoPE base from `rope_parameters` (or the older `rope_theta`); only the default RoPE type
-    (transformers' FalconH1 rotates the whole head with base^(-2i/head_dim)) is supported."""
-    params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"Falcon-H1 rope_type {rope_type!r} is not supported (only 'default')")
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_utils import (
+    attention_from_config,
+    attention_head_dim,
+    mamba_mixer_from_config,
+    rotary_from_config,
+)
 
 
 def _mixer(config, index: int) -> Mamba2Mixer:
@@ -74,19 +65,9 @@ def _mixer(config, index: int) -> Mamba2Mixer:
 class _Layer(nn.Module):
     def __init__(self, config, index: int, rotary: RotaryEmbedding):
         super().__init__()
-        head_dim = _head_dim(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mamba = _mixer(config, index)
-        self.self_attn = Attention(
-            hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=head_dim,
-            scale=head_dim**-0.5,
-            bias=config.attention_bias,
-            rotary=rotary,
-            cache_index=index,
-        )
+        self.self_attn = attention_from_config(config, index, rotary=rotary)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
@@ -95,8 +76,7 @@ class _Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        head_dim = _head_dim(config)
-        rotary = RotaryEmbedding(head_dim, head_dim, _rope_theta(config))
+        rotary = rotary_from_config(config, attention_head_dim(config), whole_head=True)
         self.layers = nn.ModuleList(_Layer(config, i, rotary) for i in range(config.num_hidden_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

@@ -15,13 +15,19 @@ import torch
 from torch import nn
 
 from mambaserve.engine.forward_context import ForwardContext
-from mambaserve.layers.attention import Attention
 from mambaserve.layers.mlp import FusedGatedMLP
 from mambaserve.layers.moe import GraniteMoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
-from mambaserve.models.bamba import rope_settings
-from mambaserve.models.base import HybridForCausalLM, build_layers, mamba_mixer_from_config
+from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_utils import (
+    attention_from_config,
+    attention_head_dim,
+    cache_indices,
+    layer_kinds,
+    mamba_mixer_from_config,
+    rotary_from_config,
+)
 
 
 class _Layer(nn.Module):
@@ -32,17 +38,8 @@ class _Layer(nn.Module):
         if kind == "mamba":
             self.mamba = mamba_mixer_from_config(config, cache_index)
         else:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            self.self_attn = Attention(
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=head_dim,
-                scale=float(config.attention_multiplier),
-                bias=config.attention_bias,
-                rotary=rotary,
-                cache_index=cache_index,
-            )
+            self.self_attn = attention_from_config(config, cache_index, scale=float(config.attention_multiplier),
+                                                   rotary=rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.block_sparse_moe = None
         if config.num_local_experts > 0:
@@ -57,10 +54,10 @@ class _Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         rotary = None
         if getattr(config, "position_embedding_type", "nope") == "rope":
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            theta, partial = rope_settings(config)
-            rotary = RotaryEmbedding(head_dim, int(head_dim * partial), theta)
-        self.layers = build_layers(config, lambda kind, i: _Layer(config, kind, i, rotary if kind == "attention" else None))
+            rotary = rotary_from_config(config, attention_head_dim(config))
+        kinds = layer_kinds(config)
+        self.layers = nn.ModuleList(_Layer(config, kind, i, rotary if kind == "attention" else None)
+                                    for kind, i in zip(kinds, cache_indices(kinds)))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 

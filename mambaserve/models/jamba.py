@@ -2,7 +2,7 @@
 attention layers, each followed by a dense SiLU-gated MLP or a top-k MoE of such experts.
 
 The layer pattern comes from two periods: layer i is attention when i % attn_layer_period ==
-attn_layer_offset (else Mamba-1), and its feed-forward is a MoE of num_experts experts when
+attn_layer_offset (else Mamba-1; `layer_kinds`), and its feed-forward is a MoE of num_experts experts when
 i % expert_layer_period == expert_layer_offset and num_experts > 1 (else a dense MLP).
 Every layer is h += mixer(input_layernorm(h)); h += feed_forward(pre_ff_layernorm(h)); the
 stack ends with final_layernorm.
@@ -27,25 +27,25 @@ import torch
 from torch import nn
 
 from mambaserve.engine.forward_context import ForwardContext
-from mambaserve.layers.attention import Attention
 from mambaserve.layers.mamba1 import MambaMixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.moe import SparseMoeBlock
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import CacheSpec, HybridForCausalLM
+from mambaserve.models.config_utils import attention_from_config, cache_indices, layer_kinds
 
 
-def jamba_layer_kinds(config) -> list[tuple[str, bool]]:
-    """Per layer: ("mamba" or "attention", whether its feed-forward is a MoE), from the config's
-    periods and offsets. Raises ValueError when an offset is not below its period."""
+def jamba_moe_layers(config) -> list[bool]:
+    """Per layer: whether its feed-forward is a MoE (i % expert_layer_period ==
+    expert_layer_offset, and num_experts > 1). Raises ValueError when an offset (the experts'
+    or the attention layers', which transformers' `layers_block_type` reads unchecked) is not
+    below its period."""
     a_period, a_offset = config.attn_layer_period, config.attn_layer_offset
     e_period, e_offset = config.expert_layer_period, config.expert_layer_offset
     if not (0 <= a_offset < a_period and 0 <= e_offset < e_period):
         raise ValueError(f"Jamba layer offsets must lie in [0, period): attention {a_offset} of {a_period}, "
                          f"experts {e_offset} of {e_period}")
-    moe = config.num_experts > 1
-    return [("attention" if i % a_period == a_offset else "mamba", moe and i % e_period == e_offset)
-            for i in range(config.num_hidden_layers)]
+    return [config.num_experts > 1 and i % e_period == e_offset for i in range(config.num_hidden_layers)]
 
 
 def _dt_rank(config) -> int:
@@ -73,17 +73,7 @@ class _Layer(nn.Module):
                 cache_index=cache_index,
             )
         else:
-            head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
-            self.self_attn = Attention(
-                hidden_size=H,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=head_dim,
-                scale=head_dim**-0.5,
-                bias=False,
-                rotary=None,
-                cache_index=cache_index,
-            )
+            self.self_attn = attention_from_config(config, cache_index, bias=False)  # transformers: no biases
         self.pre_ff_layernorm = RMSNorm(H, eps=config.rms_norm_eps)
         if moe:
             self.feed_forward = SparseMoeBlock(H, config.intermediate_size, config.num_experts, config.num_experts_per_tok)
@@ -95,11 +85,9 @@ class _Model(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers, counts = [], {"mamba": 0, "attention": 0}
-        for kind, moe in jamba_layer_kinds(config):
-            layers.append(_Layer(config, kind, moe, counts[kind]))
-            counts[kind] += 1
-        self.layers = nn.ModuleList(layers)
+        moe = jamba_moe_layers(config)  # checks the periods first
+        kinds = layer_kinds(config)
+        self.layers = nn.ModuleList(_Layer(config, kind, m, i) for kind, m, i in zip(kinds, moe, cache_indices(kinds)))
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 

@@ -12,7 +12,8 @@ from torch import nn
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.norm import RMSNorm
-from mambaserve.models.base import HybridForCausalLM, MambaBackbone, dt_limit
+from mambaserve.models.base import HybridForCausalLM, MambaBackbone
+from mambaserve.models.config_utils import dt_limit
 
 
 class _Block(nn.Module):

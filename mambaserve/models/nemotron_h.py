@@ -33,38 +33,14 @@ import torch
 from torch import nn
 
 from mambaserve.engine.forward_context import ForwardContext
-from mambaserve.layers.attention import Attention
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import MLP
 from mambaserve.layers.moe import SigmoidGroupRouter, UngatedExperts
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_utils import attention_from_config, cache_indices, layer_kinds
 
-# transformers' layers_block_type values (and the older names) -> our layer kinds
-_KINDS = {"linear_attention": "mamba", "mamba": "mamba", "full_attention": "attention", "attention": "attention",
-          "mlp": "mlp", "moe": "moe"}
-_PATTERN = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
-
-
-def nemotron_layer_kinds(config) -> list[str]:
-    """The config's layer pattern as "mamba" / "attention" / "mlp" / "moe", one per layer.
-
-    Reads `layers_block_type` (transformers >= 5), else the raw `hybrid_override_pattern`.
-    Raises ValueError for an unknown layer type.
-    """
-    names = getattr(config, "layers_block_type", None)
-    if names is None:
-        pattern = getattr(config, "hybrid_override_pattern", None)
-        if pattern is None:
-            raise ValueError("Nemotron-H config has neither layers_block_type nor hybrid_override_pattern")
-        bad = sorted(set(pattern) - set(_PATTERN))
-        if bad:
-            raise ValueError(f"unknown layer symbols {bad} in hybrid_override_pattern; expected M, *, - or E")
-        return [_PATTERN[c] for c in pattern]
-    unknown = sorted({n for n in names if n not in _KINDS})
-    if unknown:
-        raise ValueError(f"unknown Nemotron-H layer types {unknown}; expected one of {sorted(_KINDS)}")
-    return [_KINDS[n] for n in names]
+_KINDS = ("mamba", "attention", "mlp", "moe")
 
 
 class NemotronHMoE(nn.Module):
@@ -121,17 +97,7 @@ class _Block(nn.Module):
                 cache_index=cache_index,
             )
         elif kind == "attention":
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            self.mixer = Attention(
-                hidden_size=config.hidden_size,
-                num_heads=config.num_attention_heads,
-                num_kv_heads=config.num_key_value_heads,
-                head_dim=head_dim,
-                scale=head_dim**-0.5,
-                bias=False,
-                rotary=None,
-                cache_index=cache_index,
-            )
+            self.mixer = attention_from_config(config, cache_index, bias=False)  # transformers ignores attention_bias
         elif kind == "mlp":
             self.mixer = MLP(config.hidden_size, config.intermediate_size, config.mlp_hidden_act, bias=config.mlp_bias)
         else:
@@ -142,13 +108,8 @@ class _Backbone(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers, counts = [], {"mamba": 0, "attention": 0}
-        for kind in nemotron_layer_kinds(config):
-            index = counts.get(kind, -1)
-            if kind in counts:
-                counts[kind] += 1
-            layers.append(_Block(config, kind, index))
-        self.layers = nn.ModuleList(layers)
+        kinds = layer_kinds(config, allowed=_KINDS)
+        self.layers = nn.ModuleList(_Block(config, kind, i) for kind, i in zip(kinds, cache_indices(kinds)))
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, scale_in_float32=True)
 
 

@@ -34,106 +34,39 @@ Zyphra's checkpoints tie both.)
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-from mambaserve import ops
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.activation import get_activation
-from mambaserve.layers.attention import AttentionCacheShape
-from mambaserve.layers.graph_split import split_op
+from mambaserve.layers.attention import Attention
+from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.norm import RMSNorm
-from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import CacheSpec, HybridForCausalLM
-from mambaserve.models.bamba import rope_settings
+from mambaserve.models.config_utils import attention_from_config, layer_kinds, rotary_from_config
 
 
-def zamba2_layer_kinds(config) -> list[str]:
-    """"mamba" or "hybrid" per layer, from `layers_block_type`. Raises ValueError otherwise."""
-    aliases = {"mamba": "mamba", "linear_attention": "mamba", "hybrid": "hybrid"}
-    names = list(getattr(config, "layers_block_type", None) or [])
-    if len(names) != config.num_hidden_layers:
-        raise ValueError(f"Zamba2 config gives {len(names)} layer types for {config.num_hidden_layers} layers")
-    unknown = sorted({n for n in names if n not in aliases})
-    if unknown:
-        raise ValueError(f"unknown Zamba2 layer types {unknown}; expected 'mamba' (or 'linear_attention') and 'hybrid'")
-    return [aliases[n] for n in names]
-
-
-def _adapters(depths: list[int], in_features: int, rank: int, out_features: int) -> nn.ModuleDict:
-    """One LoRA x -> B(A(x)) per depth, keyed by depth: names `{d}.0.weight` (A: rank x in) and
-    `{d}.1.weight` (B: out x rank), as in the checkpoint."""
-    return nn.ModuleDict({
-        str(d): nn.Sequential(nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=False))
-        for d in depths
-    })
-
-
-def _paged_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, *,
-                  cache_index: int, scale: float) -> torch.Tensor:
-    """Write this step's K/V into KV cache `cache_index`, then attend. q: (T, heads, head_dim),
-    k, v: (T, kv_heads, head_dim) -> (T, heads, head_dim)."""
-    k_cache, v_cache = ctx.kv_caches[cache_index]
-    ops.reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
-    return ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc,
-                               scale, metadata=ctx.metadata)
-
-
-class _SharedAttention(nn.Module):
-    """x: (T, 2 * hidden) -> (T, hidden), with depth d's adapters and KV cache d."""
-
-    def __init__(self, config, depths: list[int]):
-        super().__init__()
-        H2 = 2 * config.hidden_size
-        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-        if H2 % heads or heads % kv_heads:
-            raise ValueError(f"Zamba2 attention: 2 * hidden_size ({H2}) must split into {heads} heads, "
-                             f"a multiple of num_key_value_heads ({kv_heads})")
-        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, H2 // heads
-        self.scale = (self.head_dim / 2) ** -0.5
-        self.q_proj = nn.Linear(H2, heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(H2, kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(H2, kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * self.head_dim, config.hidden_size, bias=False)
-        self.use_adapters = bool(config.use_shared_attention_adapter)
-        if self.use_adapters:
-            if kv_heads != heads:
-                # the adapters' outputs are 2 * hidden wide, also for k and v
-                raise ValueError("Zamba2 attention adapters need num_key_value_heads == num_attention_heads")
-            rank = config.adapter_rank
-            self.linear_q_adapter_list = _adapters(depths, H2, rank, H2)
-            self.linear_k_adapter_list = _adapters(depths, H2, rank, H2)
-            self.linear_v_adapter_list = _adapters(depths, H2, rank, H2)
-        self.rotary = None
-        if config.use_mem_rope:
-            params = getattr(config, "rope_parameters", None) or {}
-            if params.get("rope_type", "default") != "default":
-                raise ValueError(f"Zamba2 rope_type {params['rope_type']!r} is not supported (only 'default')")
-            theta, _ = rope_settings(config)
-            self.rotary = RotaryEmbedding(self.head_dim, self.head_dim, theta)
-
-    def cache_shape(self) -> AttentionCacheShape:
-        return AttentionCacheShape(self.num_kv_heads, self.head_dim)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext, depth: int) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.use_adapters:
-            key = str(depth)
-            q = q + self.linear_q_adapter_list[key](x)
-            k = k + self.linear_k_adapter_list[key](x)
-            v = v + self.linear_v_adapter_list[key](x)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.rotary is not None:
-            q, k = self.rotary(positions, q, k)
-        attend = functools.partial(_paged_attend, cache_index=depth, scale=self.scale)
-        out = split_op(attend, (q, k, v), ctx)  # (T, heads, head_dim)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+def _shared_attention(config, depths: list[int]) -> Attention:
+    """The shared block's attention, run at hybrid depths `depths` (KV cache index = depth): input
+    concat(h, e) of 2 * hidden, head_dim = 2 * hidden / num_heads, scale (head_dim / 2)^-1/2,
+    no biases, per-depth LoRA on q/k/v when use_shared_attention_adapter, whole-head RoPE when
+    use_mem_rope. Raises ValueError for head counts that do not divide."""
+    H2 = 2 * config.hidden_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if H2 % heads or heads % kv_heads:
+        raise ValueError(f"Zamba2 attention: 2 * hidden_size ({H2}) must split into {heads} heads, "
+                         f"a multiple of num_key_value_heads ({kv_heads})")
+    lora_rank = None
+    if config.use_shared_attention_adapter:
+        if kv_heads != heads:
+            # the adapters' outputs are 2 * hidden wide, also for k and v
+            raise ValueError("Zamba2 attention adapters need num_key_value_heads == num_attention_heads")
+        lora_rank = config.adapter_rank
+    head_dim = H2 // heads
+    rotary = rotary_from_config(config, head_dim, whole_head=True) if config.use_mem_rope else None
+    return attention_from_config(config, tuple(depths), head_dim=head_dim, scale=(head_dim / 2) ** -0.5, bias=False,
+                                 input_size=H2, lora_rank=lora_rank, rotary=rotary)
 
 
 class _SharedMLP(nn.Module):
@@ -145,7 +78,7 @@ class _SharedMLP(nn.Module):
         self.act = get_activation(config.hidden_act)
         self.gate_up_proj = nn.Linear(H, 2 * inter, bias=bias)
         self.down_proj = nn.Linear(inter, H, bias=bias)
-        self.gate_up_proj_adapter_list = _adapters(depths, H, config.adapter_rank, 2 * inter)
+        self.gate_up_proj_adapter_list = lora_adapters(depths, H, config.adapter_rank, 2 * inter)
 
     def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
         gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[str(depth)](x)  # (T, 2 * inter)
@@ -159,13 +92,13 @@ class _SharedTransformer(nn.Module):
     def __init__(self, config, depths: list[int]):
         super().__init__()
         self.input_layernorm = RMSNorm(2 * config.hidden_size, eps=config.rms_norm_eps)
-        self.self_attn = _SharedAttention(config, depths)
+        self.self_attn = _shared_attention(config, depths)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.feed_forward = _SharedMLP(config, depths)
 
     def forward(self, positions, h, e, ctx: ForwardContext, depth: int) -> torch.Tensor:
         x = self.input_layernorm(torch.cat((h, e), dim=-1))  # (T, 2 * hidden)
-        x = self.self_attn(positions, x, ctx, depth)
+        x = self.self_attn(positions, x, ctx, cache_index=depth)
         return self.feed_forward(self.pre_ff_layernorm(x), depth)
 
 
@@ -206,7 +139,7 @@ class _HybridLayer(nn.Module):
 class _Model(nn.Module):
     def __init__(self, config):
         super().__init__()
-        kinds = zamba2_layer_kinds(config)
+        kinds = layer_kinds(config, allowed=("mamba", "hybrid"))
         n_blocks = config.num_mem_blocks
         n_depths = kinds.count("hybrid")
         if n_blocks < 1:

@@ -115,17 +115,6 @@ def test_nemotron_defaults_and_skipped_mtp_weights(tmp_path):
         load_model(dst, dtype="float32")
 
 
-def test_nemotron_unknown_layer_symbol_is_a_clear_error():
-    from types import SimpleNamespace
-
-    from mambaserve.models.nemotron_h import nemotron_layer_kinds
-
-    with pytest.raises(ValueError, match="unknown layer symbols"):
-        nemotron_layer_kinds(SimpleNamespace(layers_block_type=None, hybrid_override_pattern="M*X"))
-    assert nemotron_layer_kinds(SimpleNamespace(layers_block_type=None, hybrid_override_pattern="M*-E")) == [
-        "mamba", "attention", "mlp", "moe"]
-
-
 @pytest.mark.skipif(not REAL_CONFIGS.is_dir(), reason="needs benchmarks/configs")
 @pytest.mark.parametrize("file, params, n_mamba, n_attn", [
     ("zamba2-2.7b.json", 2.66e9, 54, 9),

@@ -1,0 +1,19 @@
+"""Low-rank adapters keyed by the depth that uses them (Hu et al. 2021, "LoRA", section 4.1).
+
+Zamba2's shared transformer blocks run at several depths with the same weights; each depth adds
+its own low-rank term to some projections: W x + B_d(A_d x). The adapters of all depths live
+in one `nn.ModuleDict`, keyed by depth, named `{d}.0.weight` (A_d: rank x in_features) and
+`{d}.1.weight` (B_d: out_features x rank), as in the checkpoints.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def lora_adapters(keys, in_features: int, rank: int, out_features: int) -> nn.ModuleDict:
+    """One bias-free x -> B(A(x)) per key of `keys` (ints or strings), stored under str(key)."""
+    return nn.ModuleDict({
+        str(k): nn.Sequential(nn.Linear(in_features, rank, bias=False), nn.Linear(rank, out_features, bias=False))
+        for k in keys
+    })
