@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mambaserve.cache.tensors import allocate_caches, bytes_per_block, bytes_per_slot
+from mambaserve.cache.tensors import allocate_caches
 from mambaserve.config import EngineConfig
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.engine.scheduler import ScheduledSequence
@@ -55,19 +55,17 @@ class ModelRunner:
         self.model = load_model(config.model, dtype=config.dtype, device=self.device,
                                 load_format=config.load_format, seed=config.seed)
         self.dtype = self.model.lm_head.weight.dtype
-        ssm_name = config.mamba_ssm_cache_dtype
-        if ssm_name == "auto":  # the family's own default (Nemotron-H: float32), else the model dtype
-            ssm_name = getattr(self.model, "default_mamba_ssm_cache_dtype", None)
-        self.ssm_dtype = DTYPES[ssm_name] if ssm_name else self.dtype
-        self.spec = self.model.cache_spec()
-        self.has_attention = bool(self.spec.attention)
+        ssm_name = config.mamba_ssm_cache_dtype  # "auto": the family's default (Nemotron-H: float32) or the model's
+        dtypes = self.model.cache_dtypes(None if ssm_name == "auto" else DTYPES[ssm_name])
+        self.ssm_dtype = dtypes.ssm
+        self.spec = self.model.cache_spec(dtypes)
+        self.has_attention = self.spec.has_attention
         self.block_size = config.block_size
         self.vocab_size = self.model.config.vocab_size
         logger.info("loaded %s in %.1f s", type(self.model).__name__, time.perf_counter() - t0)
         self._size_caches()
         self.caches = allocate_caches(self.spec, num_slots=self.num_slots, num_blocks=max(self.num_blocks, 1),
-                                      block_size=self.block_size, dtype=self.dtype, ssm_dtype=self.ssm_dtype,
-                                      device=self.device)
+                                      block_size=self.block_size, device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
         self.decode_graphs = self.piecewise_graphs = None
         self.last_path = "eager"  # how the last step ran: decode_graph, piecewise or eager
@@ -126,7 +124,7 @@ class ModelRunner:
         """Peak memory of one forward at the full token budget (one prefill sequence) over the weights."""
         n = self.max_num_batched_tokens
         tiny = allocate_caches(self.spec, num_slots=1, num_blocks=-(-n // self.block_size) if self.has_attention else 1,
-                               block_size=self.block_size, dtype=self.dtype, ssm_dtype=self.ssm_dtype, device=self.device)
+                               block_size=self.block_size, device=self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         ctx = ForwardContext.build(query_lens=[n], seq_lens=[n], state_indices=[0], has_initial_state=[False],
@@ -150,8 +148,8 @@ class ModelRunner:
         model_limit = getattr(self.model.config, "max_position_embeddings", None) or (1 << 20)
         max_model_len = cfg.max_model_len or model_limit
         budget = self._cache_budget()
-        slot_bytes = bytes_per_slot(self.spec, self.dtype, self.ssm_dtype)
-        block_bytes = bytes_per_block(self.spec, self.block_size, self.dtype)
+        slot_bytes = self.spec.bytes_per_slot
+        block_bytes = self.spec.bytes_per_block(self.block_size)
         # One spare slot is kept for CUDA-graph padding rows, never handed to a request.
         wanted_seqs = cfg.resolved_max_num_seqs()
         if self.max_num_batched_tokens < wanted_seqs:

@@ -14,24 +14,16 @@ and v (`lora_rank`).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mambaserve import ops
+from mambaserve.cache.spec import AttentionSpec, CacheDtypes
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
 from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.rotary import RotaryEmbedding
-
-
-@dataclass(frozen=True)
-class AttentionCacheShape:
-    """Per-token KV cache entry of one attention layer: num_kv_heads x head_dim, for K and for V."""
-
-    num_kv_heads: int
-    head_dim: int
 
 
 class Attention(nn.Module):
@@ -82,8 +74,9 @@ class Attention(nn.Module):
         assert len(self.cache_indices) == 1, "a shared attention layer is called with its depth's cache_index"
         return self.cache_indices[0]
 
-    def cache_shape(self) -> AttentionCacheShape:
-        return AttentionCacheShape(self.num_kv_heads, self.head_dim)
+    def cache_spec(self, dtypes: CacheDtypes) -> AttentionSpec:
+        """Per token: K and V of (num_kv_heads, head_dim), for each of the layer's cache indices."""
+        return AttentionSpec(self.num_kv_heads, self.head_dim, dtypes.kv)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext,
                 cache_index: int | None = None) -> torch.Tensor:

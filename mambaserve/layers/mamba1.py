@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve import ops
+from mambaserve.cache.spec import CacheDtypes, MambaSpec
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
-from mambaserve.layers.mamba2 import MambaStateShape, _Conv1dWeights, cached_decay_rates, project_out
+from mambaserve.layers.mamba2 import _Conv1dWeights, cached_decay_rates, project_out
 from mambaserve.layers.norm import RMSNorm
 
 
@@ -75,8 +76,14 @@ class MambaMixer(nn.Module):
             self.b_layernorm = RMSNorm(d_state, eps=dt_bc_norm_eps)
             self.c_layernorm = RMSNorm(d_state, eps=dt_bc_norm_eps)
 
-    def state_shape(self) -> MambaStateShape:
-        return MambaStateShape((self.conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.d_state))
+    @property
+    def cache_indices(self) -> tuple[int, ...]:
+        return (self.cache_index,)
+
+    def cache_spec(self, dtypes: CacheDtypes) -> MambaSpec:
+        """Per request: conv state (width - 1, d_inner), SSM state (d_inner, d_state)."""
+        return MambaSpec((self.conv_kernel - 1, self.intermediate_size), (self.intermediate_size, self.d_state),
+                         dtypes.conv, dtypes.ssm)
 
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext, partials: bool = False) -> torch.Tensor:
         """hidden_states: (T, hidden) -> (T, hidden). partials=True (for a caller whose next op

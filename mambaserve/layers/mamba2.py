@@ -16,23 +16,14 @@ Parameter names and shapes follow the Hugging Face checkpoints (`in_proj`, `conv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from mambaserve import ops
+from mambaserve.cache.spec import CacheDtypes, MambaSpec
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
-
-
-@dataclass(frozen=True)
-class MambaStateShape:
-    """Per-request state of one Mamba layer: conv (width - 1, conv_dim), SSM (nheads, headdim,
-    dstate) for Mamba2, (d_inner, dstate) for Mamba-1."""
-
-    conv_shape: tuple[int, int]
-    ssm_shape: tuple[int, ...]
 
 
 def project_out(out_proj: nn.Linear, y: torch.Tensor, partials: bool) -> torch.Tensor:
@@ -115,8 +106,14 @@ class Mamba2Mixer(nn.Module):
         out_bias = use_bias if out_proj_bias is None else out_proj_bias
         self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=out_bias)
 
-    def state_shape(self) -> MambaStateShape:
-        return MambaStateShape((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.d_state))
+    @property
+    def cache_indices(self) -> tuple[int, ...]:
+        return (self.cache_index,)
+
+    def cache_spec(self, dtypes: CacheDtypes) -> MambaSpec:
+        """Per request: conv state (width - 1, conv_dim), SSM state (nheads, headdim, dstate)."""
+        return MambaSpec((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.d_state),
+                         dtypes.conv, dtypes.ssm)
 
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext, partials: bool = False) -> torch.Tensor:
         """hidden_states: (T, hidden) -> (T, hidden). partials=True (for a caller whose next op

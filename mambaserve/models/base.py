@@ -1,31 +1,22 @@
 """What every model offers the engine: a packed forward, logits, and its cache declaration.
 
 A model runs on a packed token batch: `forward(input_ids (num_tokens,), positions
-(num_tokens,), ctx) -> hidden (num_tokens, hidden)`, then `compute_logits(hidden)`. It declares
-the per-request state of each Mamba layer and the per-token KV entry of each attention layer in
-a `CacheSpec`, so the engine sizes and allocates caches without reading HF config fields.
+(num_tokens,), ctx) -> hidden (num_tokens, hidden)`, then `compute_logits(hidden)`. Its
+`cache_spec()` collects what each stateful layer declares (the per-request state of each Mamba
+layer, the per-token KV entry of each attention layer), so the engine sizes and allocates
+caches without reading HF config fields, and no family lists its caches itself.
 """
 
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from mambaserve.layers.attention import Attention, AttentionCacheShape
-from mambaserve.layers.mamba2 import Mamba2Mixer, MambaStateShape
+from mambaserve.cache.spec import CacheDtypes, CacheSpec, collect_cache_spec
 from mambaserve.layers.norm import RMSNorm
-
-
-@dataclass
-class CacheSpec:
-    """mamba[i]: state shapes of the i-th Mamba layer (cache index i); attention[j] likewise."""
-
-    mamba: list[MambaStateShape] = field(default_factory=list)
-    attention: list[AttentionCacheShape] = field(default_factory=list)
 
 
 class HybridForCausalLM(nn.Module):
@@ -66,16 +57,16 @@ class HybridForCausalLM(nn.Module):
             logits = logits / self.logits_scale
         return logits
 
-    def cache_spec(self) -> CacheSpec:
-        spec = CacheSpec()
-        for m in self.modules():
-            if isinstance(m, Mamba2Mixer):
-                assert m.cache_index == len(spec.mamba), "Mamba cache indices must follow module order"
-                spec.mamba.append(m.state_shape())
-            elif isinstance(m, Attention):
-                assert m.cache_index == len(spec.attention), "attention cache indices must follow module order"
-                spec.attention.append(m.cache_shape())
-        return spec
+    def cache_dtypes(self, ssm_dtype: torch.dtype | None = None) -> CacheDtypes:
+        """Every cache in the model dtype (lm_head's) but the SSM state: `ssm_dtype`, else the
+        family's default_mamba_ssm_cache_dtype, else the model dtype."""
+        default = self.default_mamba_ssm_cache_dtype
+        return CacheDtypes.of(self.lm_head.weight.dtype, ssm_dtype or (getattr(torch, default) if default else None))
+
+    def cache_spec(self, dtypes: CacheDtypes | None = None) -> CacheSpec:
+        """The caches every stateful layer of the model declares (default dtypes:
+        `cache_dtypes()`), by cache index."""
+        return collect_cache_spec(self.modules(), dtypes or self.cache_dtypes())
 
     @torch.no_grad()
     def init_dummy_weights(self, seed: int = 0) -> None:

@@ -31,7 +31,7 @@ from mambaserve.layers.mamba1 import MambaMixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.moe import SparseMoeBlock
 from mambaserve.layers.norm import RMSNorm
-from mambaserve.models.base import CacheSpec, HybridForCausalLM
+from mambaserve.models.base import HybridForCausalLM
 from mambaserve.models.config_utils import attention_from_config, cache_indices, layer_kinds
 
 
@@ -126,14 +126,3 @@ class JambaForCausalLM(HybridForCausalLM):
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.final_layernorm
             x = following.add_and_norm(x, h)
         return x
-
-    def cache_spec(self) -> CacheSpec:
-        spec = CacheSpec()
-        for layer in self.model.layers:
-            if layer.kind == "mamba":
-                assert layer.mamba.cache_index == len(spec.mamba)
-                spec.mamba.append(layer.mamba.state_shape())
-            else:
-                assert layer.self_attn.cache_index == len(spec.attention)
-                spec.attention.append(layer.self_attn.cache_shape())
-        return spec

@@ -16,7 +16,7 @@ from torch import nn
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.layers.mamba1 import MambaMixer
 from mambaserve.layers.norm import RMSNorm
-from mambaserve.models.base import CacheSpec, HybridForCausalLM, MambaBackbone
+from mambaserve.models.base import HybridForCausalLM, MambaBackbone
 
 
 class _Block(nn.Module):
@@ -63,10 +63,3 @@ class MambaForCausalLM(HybridForCausalLM):
             # float32 residual stream, while the next in_proj takes the model dtype.
             x = following.add_and_norm(layer.mixer(x, ctx, partials=True), h).to(emb.dtype)
         return x
-
-    def cache_spec(self) -> CacheSpec:
-        spec = CacheSpec()
-        for i, layer in enumerate(self.backbone.layers):
-            assert layer.mixer.cache_index == i
-            spec.mamba.append(layer.mixer.state_shape())
-        return spec

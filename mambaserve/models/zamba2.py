@@ -43,7 +43,7 @@ from mambaserve.layers.attention import Attention
 from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.norm import RMSNorm
-from mambaserve.models.base import CacheSpec, HybridForCausalLM
+from mambaserve.models.base import HybridForCausalLM
 from mambaserve.models.config_utils import attention_from_config, layer_kinds, rotary_from_config
 
 
@@ -160,7 +160,6 @@ class _Model(nn.Module):
             depth += 1
         self.layers = nn.ModuleList(layers)
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.num_depths = n_depths
 
 
 class Zamba2ForCausalLM(HybridForCausalLM):
@@ -174,16 +173,6 @@ class Zamba2ForCausalLM(HybridForCausalLM):
         super().__init__(config)
         self.model = _Model(config)
         self.make_lm_head(self.model.embed_tokens)
-
-    def cache_spec(self) -> CacheSpec:
-        spec = CacheSpec()
-        for layer in self.model.layers:
-            mixer = layer.mamba_decoder.mamba if isinstance(layer, _HybridLayer) else layer.mamba
-            assert mixer.cache_index == len(spec.mamba)
-            spec.mamba.append(mixer.state_shape())
-        if self.model.blocks:
-            spec.attention = [self.model.blocks[0].self_attn.cache_shape()] * self.model.num_depths
-        return spec
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         e = self.model.embed_tokens(input_ids)  # (T, hidden)

@@ -27,11 +27,10 @@ class Harness:
     def __init__(self, model, n_seqs, max_len, device="cpu"):
         self.model = model
         self.device = device
-        dtype = model.lm_head.weight.dtype
         self.blocks_per_seq = -(-max_len // BLOCK)
-        spec = model.cache_spec()
+        spec = model.cache_spec(model.cache_dtypes(ssm_dtype=torch.float32))
         self.caches = allocate_caches(spec, num_slots=n_seqs + 2, num_blocks=n_seqs * self.blocks_per_seq + 1,
-                                      block_size=BLOCK, dtype=dtype, ssm_dtype=torch.float32, device=device)
+                                      block_size=BLOCK, device=device)
         # poison the states: a sequence without an initial state must never read them
         for conv, ssm in self.caches.mamba:
             conv.fill_(float("nan")), ssm.fill_(float("nan"))
