@@ -3,8 +3,8 @@
 Per step it builds the `ForwardContext` once (decodes first, then prefill chunks), runs one
 forward over the packed tokens and computes logits only for the rows that need them: the last
 token of every sequence that reaches its end in this step (to sample from), and every prompt
-row of sequences that asked for prompt logprobs. It sizes the state slot pool and the KV block
-pool together from a memory budget. It knows nothing of sampling or stopping.
+row of sequences that asked for prompt logprobs. It measures the memory budget of the caches
+(`cache/budget.py` sizes the pools from it). It knows nothing of sampling or stopping.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mambaserve.cache.budget import resolve_max_num_batched_tokens, size_pools
 from mambaserve.cache.tensors import allocate_caches
 from mambaserve.config import EngineConfig
 from mambaserve.engine.forward_context import ForwardContext
@@ -142,70 +143,30 @@ class ModelRunner:
         return int(peak * 1.2) + (256 << 20)
 
     def _size_caches(self) -> None:
+        """Measure the budget and the bytes of a slot and a block; `size_pools` decides the rest."""
         cfg = self.config
         on_gpu = self.device.type == "cuda"
-        self.max_num_batched_tokens = cfg.max_num_batched_tokens or (8192 if on_gpu else 2048)
-        model_limit = getattr(self.model.config, "max_position_embeddings", None) or (1 << 20)
-        max_model_len = cfg.max_model_len or model_limit
-        budget = self._cache_budget()
+        self.max_num_batched_tokens = resolve_max_num_batched_tokens(cfg.max_num_batched_tokens, on_gpu)
         slot_bytes = self.spec.bytes_per_slot
-        block_bytes = self.spec.bytes_per_block(self.block_size)
-        # One spare slot is kept for CUDA-graph padding rows, never handed to a request.
-        wanted_seqs = cfg.resolved_max_num_seqs()
-        if self.max_num_batched_tokens < wanted_seqs:
-            # more running decodes than tokens per step would starve the newest ones; clamped
-            # before sizing, so that slots no request can hold do not take the KV blocks' bytes
-            logger.warning("max_num_seqs clamped from %d to max_num_batched_tokens=%d", wanted_seqs,
-                           self.max_num_batched_tokens)
-            wanted_seqs = self.max_num_batched_tokens
-        wanted_slots = cfg.num_state_slots or (wanted_seqs + 1)
-        if cfg.num_state_slots is None and budget < 2 * slot_bytes:
-            raise ValueError(
-                f"the cache budget of {max(budget, 0)} bytes holds fewer than two state slots of {slot_bytes} bytes "
-                "(one request's and the scratch slot); raise "
-                f"{'gpu_memory_utilization' if on_gpu else 'cpu_cache_bytes'}")
-        num_blocks = 0
-        if self.has_attention:
-            if cfg.num_kv_blocks is None and cfg.max_model_len is None:
-                # a nominal limit of 128k+ tokens may not fit: give one longest sequence at most
-                # half of what is left beside two state slots
-                room = max(0, budget - 2 * slot_bytes) // 2
-                if -(-max_model_len // self.block_size) * block_bytes > room:
-                    max_model_len = max(self.block_size, room // block_bytes * self.block_size)
-                    logger.warning("max_model_len clamped to %d tokens to fit the cache budget", max_model_len)
-            min_blocks = -(-max_model_len // self.block_size)
-            if cfg.num_kv_blocks is not None:
-                num_blocks = cfg.num_kv_blocks
-            else:
-                slots = cfg.num_state_slots or max(2, min(wanted_slots, (budget - min_blocks * block_bytes) // max(slot_bytes, 1)))
-                num_blocks = max(0, (budget - slots * slot_bytes) // block_bytes)
-                # never more blocks than the running sequences can fill
-                num_blocks = min(num_blocks, max(1, slots - 1) * min_blocks)
-            if num_blocks < min_blocks:
-                raise ValueError(
-                    f"the KV cache holds {num_blocks} blocks of {self.block_size} tokens, fewer than one "
-                    f"max_model_len={max_model_len} sequence needs ({min_blocks}); lower max_model_len or "
-                    f"max_num_seqs, or raise {'gpu_memory_utilization' if on_gpu else 'cpu_cache_bytes'}")
-        num_slots = cfg.num_state_slots or max(2, min(wanted_slots, (budget - num_blocks * block_bytes) // max(slot_bytes, 1)))
-        max_num_seqs = min(wanted_seqs, num_slots - 1)
-        if max_num_seqs < wanted_seqs:
-            (logger.warning if cfg.max_num_seqs is not None else logger.info)(
-                "max_num_seqs clamped from %d to %d: only %d state slots fit in the budget",
-                wanted_seqs, max_num_seqs, num_slots)
-        if not cfg.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-            raise ValueError(f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                             f"must be at least max_model_len ({max_model_len})")
-        if max_num_seqs < 1:
-            raise ValueError("not even one request's state fits in the cache budget")
-        self.num_slots, self.num_blocks = int(num_slots), int(num_blocks)
-        self.max_num_seqs, self.max_model_len = int(max_num_seqs), int(max_model_len)
-        self.scratch_slot = self.num_slots - 1  # reserved: padding rows of CUDA graphs
+        block_bytes = self.spec.bytes_per_block(self.block_size)  # 0: no attention
+        sizes = size_pools(
+            budget_bytes=self._cache_budget(), slot_bytes=slot_bytes, block_bytes=block_bytes,
+            block_size=self.block_size, model_max_len=getattr(self.model.config, "max_position_embeddings", None),
+            max_num_batched_tokens=self.max_num_batched_tokens, default_max_num_seqs=cfg.resolved_max_num_seqs(),
+            max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_state_slots=cfg.num_state_slots,
+            num_kv_blocks=cfg.num_kv_blocks, enable_chunked_prefill=cfg.enable_chunked_prefill, on_gpu=on_gpu)
+        for level, message in sizes.notes:
+            logger.log(level, message)
+        self.sizes = sizes
+        self.num_slots, self.num_blocks = sizes.num_slots, sizes.num_blocks
+        self.max_num_seqs, self.max_model_len = sizes.max_num_seqs, sizes.max_model_len
+        self.scratch_slot = sizes.scratch_slot  # reserved: padding rows of CUDA graphs
         # bytes of what the engine holds for good (reported by `generate` and the benchmarks)
         self.memory = {
             "weights_bytes": sum(t.numel() * t.element_size() for t in
                                  {id(p): p for p in self.model.parameters()}.values()),
             "state_cache_bytes": self.num_slots * slot_bytes,
-            "kv_cache_bytes": self.num_blocks * block_bytes if self.has_attention else 0,
+            "kv_cache_bytes": self.num_blocks * block_bytes,
         }
         logger.info("caches: %d state slots (%.1f MiB each), %d KV blocks of %d tokens", self.num_slots,
                     slot_bytes / 2**20, self.num_blocks, self.block_size)

@@ -1,0 +1,150 @@
+"""Cache sizing: from a memory budget in bytes to the sizes of the state slot and KV block pools.
+
+Pure arithmetic over byte counts and config values: no torch, no device. The model runner
+measures the budget (GPU: its share of the device minus weights and a profiled forward; CPU:
+cpu_cache_bytes) and the bytes one slot and one block hold, and calls `size_pools`.
+
+The rules, in order:
+- max_num_seqs is clamped to max_num_batched_tokens (more running decodes than tokens per step
+  would starve the newest); it is clamped before sizing, so that slots no request could hold do
+  not take the KV blocks' bytes.
+- One extra state slot, the scratch slot (the last one), takes CUDA graphs' padding rows and is
+  never handed to a request: two slots must fit at least.
+- With attention and neither max_model_len nor num_kv_blocks given, a model's nominal limit
+  (often 128k+ tokens) is clamped so that one longest sequence takes at most half of what is
+  left beside two state slots.
+- KV blocks take what the wanted slots leave, but never more than the running sequences
+  (usable slots times one longest sequence) could fill; they must hold one longest sequence.
+- State slots then take what the blocks leave, up to the wanted number, and max_num_seqs is
+  clamped to the usable slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+# a model config without max_position_embeddings: no limit of its own
+_UNLIMITED_MODEL_LEN = 1 << 20
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    """What `size_pools` decided.
+
+    num_slots: state slots, the scratch slot (the last one) included. num_blocks: KV blocks
+    (0 for a model without attention layers). max_num_seqs: most running requests
+    (<= num_slots - 1). max_num_batched_tokens: tokens per step. max_model_len: longest prompt
+    plus output, in tokens. notes: (logging level, message) pairs for what was clamped, in the
+    order decided; the caller logs them.
+    """
+
+    num_slots: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    notes: tuple[tuple[int, str], ...] = ()
+
+    @property
+    def scratch_slot(self) -> int:
+        """The slot reserved for padding rows of CUDA graphs."""
+        return self.num_slots - 1
+
+
+def resolve_max_num_batched_tokens(max_num_batched_tokens: int | None, on_gpu: bool) -> int:
+    """The step's token budget: the configured value, or 8192 on a GPU and 2048 on the CPU.
+    Resolved before the rest: the runner profiles one forward of this many tokens to measure
+    the memory budget."""
+    return max_num_batched_tokens or (8192 if on_gpu else 2048)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def size_pools(
+    *,
+    budget_bytes: int,
+    slot_bytes: int,
+    block_bytes: int,
+    block_size: int,
+    model_max_len: int | None,
+    max_num_batched_tokens: int,
+    default_max_num_seqs: int,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    num_state_slots: int | None = None,
+    num_kv_blocks: int | None = None,
+    enable_chunked_prefill: bool = True,
+    on_gpu: bool = False,
+) -> PoolSizes:
+    """Size the state slot and KV block pools to a memory budget (rules: module docstring).
+
+    budget_bytes: bytes the caches may take (may be negative: nothing fits). slot_bytes: conv +
+    SSM state of one request over all Mamba layers. block_bytes: K and V of one block of
+    block_size tokens over all attention layers; 0 for a model without attention (no KV
+    pool). model_max_len: the model's position limit (max_position_embeddings), None for none.
+    max_num_batched_tokens: resolved (`resolve_max_num_batched_tokens`). default_max_num_seqs:
+    what max_num_seqs means when not given. max_num_seqs, max_model_len, num_state_slots,
+    num_kv_blocks, enable_chunked_prefill: the EngineConfig fields of those names (None: not
+    given; num_state_slots and num_kv_blocks force the pool sizes). on_gpu: only names the
+    budget's knob in the error messages (gpu_memory_utilization or cpu_cache_bytes).
+
+    Raises ValueError when fewer than two state slots fit (one request's and the scratch
+    slot), when the KV blocks do not hold one max_model_len sequence, when without chunked
+    prefill max_num_batched_tokens is below max_model_len, or when no usable slot is left.
+    """
+    knob = "gpu_memory_utilization" if on_gpu else "cpu_cache_bytes"
+    notes: list[tuple[int, str]] = []
+    has_attention = block_bytes > 0
+    resolved_len = max_model_len or model_max_len or _UNLIMITED_MODEL_LEN
+    wanted_seqs = max_num_seqs if max_num_seqs is not None else default_max_num_seqs
+    if max_num_batched_tokens < wanted_seqs:
+        notes.append((logging.WARNING, f"max_num_seqs clamped from {wanted_seqs} to "
+                                       f"max_num_batched_tokens={max_num_batched_tokens}"))
+        wanted_seqs = max_num_batched_tokens
+    wanted_slots = num_state_slots or (wanted_seqs + 1)
+    if num_state_slots is None and budget_bytes < 2 * slot_bytes:
+        raise ValueError(
+            f"the cache budget of {max(budget_bytes, 0)} bytes holds fewer than two state slots of {slot_bytes} "
+            f"bytes (one request's and the scratch slot); raise {knob}")
+
+    def slots_beside(blocks_bytes: int) -> int:
+        # state slots that fit beside `blocks_bytes` of KV blocks, at least two, at most the wanted
+        return num_state_slots or max(2, min(wanted_slots, (budget_bytes - blocks_bytes) // max(slot_bytes, 1)))
+
+    num_blocks = 0
+    if has_attention:
+        if num_kv_blocks is None and max_model_len is None:
+            room = max(0, budget_bytes - 2 * slot_bytes) // 2
+            if _ceil_div(resolved_len, block_size) * block_bytes > room:
+                resolved_len = max(block_size, room // block_bytes * block_size)
+                notes.append((logging.WARNING, f"max_model_len clamped to {resolved_len} tokens to fit the cache budget"))
+        min_blocks = _ceil_div(resolved_len, block_size)
+        if num_kv_blocks is not None:
+            num_blocks = num_kv_blocks
+        else:
+            slots = slots_beside(min_blocks * block_bytes)
+            num_blocks = max(0, (budget_bytes - slots * slot_bytes) // block_bytes)
+            num_blocks = min(num_blocks, max(1, slots - 1) * min_blocks)  # no more than the sequences can fill
+        if num_blocks < min_blocks:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than one "
+                f"max_model_len={resolved_len} sequence needs ({min_blocks}); lower max_model_len or "
+                f"max_num_seqs, or raise {knob}")
+    num_slots = slots_beside(num_blocks * block_bytes)
+    seqs = min(wanted_seqs, num_slots - 1)
+    if seqs < wanted_seqs:
+        # a default the device could not meet is no surprise; a value the user asked for is
+        notes.append((logging.WARNING if max_num_seqs is not None else logging.INFO,
+                      f"max_num_seqs clamped from {wanted_seqs} to {seqs}: only {num_slots} state slots fit "
+                      "in the budget"))
+    if not enable_chunked_prefill and max_num_batched_tokens < resolved_len:
+        raise ValueError(f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) "
+                         f"must be at least max_model_len ({resolved_len})")
+    if seqs < 1:
+        raise ValueError("not even one request's state fits in the cache budget")
+    return PoolSizes(num_slots=int(num_slots), num_blocks=int(num_blocks), max_num_seqs=int(seqs),
+                     max_num_batched_tokens=int(max_num_batched_tokens), max_model_len=int(resolved_len),
+                     notes=tuple(notes))
