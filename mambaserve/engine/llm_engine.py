@@ -258,7 +258,7 @@ class LLMEngine:
                 return []
             result = self.runner.execute(sched.scheduled)
             sample = self.sampler.launch(result.sample_logits, result.sample_seqs) if result.sample_seqs else None
-            step = _Step(sched.scheduled, result, sample, self.runner.last_path)
+            step = _Step(sched.scheduled, result, sample, result.path)
         if self.config.async_scheduling:
             self._inflight = self._launch_next(step)
         outputs = self._process(step)
@@ -298,7 +298,7 @@ class LLMEngine:
         tokens = step.sample.token_ids
         result = self.runner.execute_chained_decode(seqs, tokens, None if len(rows) == len(step.scheduled) else rows)
         sample = self.sampler.launch(result.sample_logits, result.sample_seqs)
-        return _Step([ScheduledSequence(seq, 1) for seq in seqs], result, sample, self.runner.last_path)
+        return _Step([ScheduledSequence(seq, 1) for seq in seqs], result, sample, result.path)
 
     def _process(self, step: "_Step") -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: computed counts, prompt logprobs,

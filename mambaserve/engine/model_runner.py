@@ -3,8 +3,9 @@
 Per step it builds the `ForwardContext` once (decodes first, then prefill chunks), runs one
 forward over the packed tokens and computes logits only for the rows that need them: the last
 token of every sequence that reaches its end in this step (to sample from), and every prompt
-row of sequences that asked for prompt logprobs. It measures the memory budget of the caches
-(`cache/budget.py` sizes the pools from it). It knows nothing of sampling or stopping.
+row of sequences that asked for prompt logprobs, and says how it ran the step (decode graphs,
+piecewise graphs or eagerly). It measures the memory budget of the caches (`cache/budget.py`
+sizes the pools from it). It knows nothing of sampling or stopping.
 """
 
 from __future__ import annotations
@@ -28,13 +29,18 @@ logger = logging.getLogger("mambaserve")
 
 @dataclass
 class StepLogits:
-    """sample_logits: (num_sampled, vocab) float32 for `sample_seqs` (same order).
+    """What one forward produced, and how it ran.
+
+    sample_logits: (num_sampled, vocab) float32 for `sample_seqs` (same order).
     prompt_logits: per sequence id, (n, vocab) float32 logits of its prompt rows in this step,
-    with the absolute position of the first row."""
+    with the absolute position of the first row. path: how the forward ran: "decode_graph"
+    (the full decode CUDA graphs), "piecewise" (piecewise graphs, padded) or "eager".
+    """
 
     sample_seqs: list
     sample_logits: torch.Tensor
     prompt_logits: dict[str, tuple[int, torch.Tensor]]
+    path: str
 
 
 class ModelRunner:
@@ -69,7 +75,6 @@ class ModelRunner:
                                       block_size=self.block_size, device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
         self.decode_graphs = self.piecewise_graphs = None
-        self.last_path = "eager"  # how the last step ran: decode_graph, piecewise or eager
         if self.compilation_mode in ("piecewise", "full_and_piecewise"):
             self._capture_piecewise_graphs()
         if self.compilation_mode == "full_and_piecewise":
@@ -205,22 +210,19 @@ class ModelRunner:
         """Run one forward over the scheduled batch and return the logits that are needed."""
         if self._one_token_each(scheduled):
             graphs = self.decode_graphs
-            self.last_path = "eager"
             if graphs is not None and len(scheduled) <= graphs.max_size:
-                self.last_path = "decode_graph"
                 seqs = [s.seq for s in scheduled]
                 all_logits = graphs.run(
                     [seq.get_token_ids(seq.num_computed_tokens, seq.num_computed_tokens + 1)[0] for seq in seqs],
                     [seq.num_computed_tokens for seq in seqs],
                     [seq.state_slot for seq in seqs],
                     [seq.block_table for seq in seqs] if self.has_attention else None)  # (batch, vocab)
-                return self._needed_logits(scheduled, lambda rows: all_logits[rows])
+                return self._needed_logits(scheduled, lambda rows: all_logits[rows], "decode_graph")
             padded = None
         else:
             num_tokens = sum(s.num_new_tokens for s in scheduled)
             graphs = self.piecewise_graphs
             padded = graphs.padded_size(num_tokens) if graphs is not None else None
-            self.last_path = "eager" if padded is None else "piecewise"
         ctx, ids, positions = self.build_context(scheduled, pad_to=padded)
         input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -228,7 +230,8 @@ class ModelRunner:
             hidden = self.piecewise_graphs.run(input_ids, pos, ctx)
         else:
             hidden = self.model(input_ids, pos, ctx)
-        return self._needed_logits(scheduled, lambda rows: self.model.compute_logits(hidden[rows]))
+        return self._needed_logits(scheduled, lambda rows: self.model.compute_logits(hidden[rows]),
+                                   "eager" if padded is None else "piecewise")
 
     @torch.inference_mode()
     def execute_chained_decode(self, seqs: list[Sequence], tokens: torch.Tensor, rows: list[int] | None) -> StepLogits:
@@ -240,12 +243,10 @@ class ModelRunner:
         positions = [s.num_computed_tokens + 1 for s in seqs]
         graphs = self.decode_graphs
         if graphs is not None and len(seqs) <= graphs.max_size:
-            self.last_path = "decode_graph"
             logits = graphs.run(None, positions, [s.state_slot for s in seqs],
                                 [s.block_table for s in seqs] if self.has_attention else None,
                                 device_ids=(tokens, rows))
-            return StepLogits(list(seqs), logits, {})
-        self.last_path = "eager"
+            return StepLogits(list(seqs), logits, {}, "decode_graph")
         ctx = ForwardContext.build(
             query_lens=[1] * len(seqs), seq_lens=[p + 1 for p in positions],
             state_indices=[s.state_slot for s in seqs], has_initial_state=[True] * len(seqs),
@@ -261,11 +262,12 @@ class ModelRunner:
             ids = tokens[index.to(tokens.device, non_blocking=True)]
         pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
         hidden = self.model(ids, pos, ctx)
-        return StepLogits(list(seqs), self.model.compute_logits(hidden), {})
+        return StepLogits(list(seqs), self.model.compute_logits(hidden), {}, "eager")
 
-    def _needed_logits(self, scheduled: list[ScheduledSequence], logits_of) -> StepLogits:
+    def _needed_logits(self, scheduled: list[ScheduledSequence], logits_of, path: str) -> StepLogits:
         """The rows to sample from (each sequence reaching its end) and the prompt rows of
-        sequences that asked for prompt logprobs; logits_of(rows) gives their logits."""
+        sequences that asked for prompt logprobs; logits_of(rows) gives their logits. path: how
+        the forward ran (StepLogits.path)."""
         rows, sample_seqs, prompt_rows = [], [], []
         offset = 0
         for s in scheduled:
@@ -288,4 +290,4 @@ class ModelRunner:
             m = min(n, seq.num_prompt_tokens - 1 - start)
             if m > 0:
                 prompt_logits[seq.request_id] = (start, logits_of(slice(off, off + m)))
-        return StepLogits(sample_seqs, sample_logits, prompt_logits)
+        return StepLogits(sample_seqs, sample_logits, prompt_logits, path)
