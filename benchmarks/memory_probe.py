@@ -34,12 +34,13 @@ def main() -> int:
     t0 = time.perf_counter()
     llm = LLM(path, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
               gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len)
-    r = llm.llm_engine.runner
+    engine = llm.llm_engine
+    sizes = engine.pool_sizes
     free1, _ = torch.cuda.mem_get_info()
     rec = {"model": args.model, "gpu": torch.cuda.get_device_name(), "build_s": time.perf_counter() - t0,
            "total_GiB": total / 2**30, "used_by_engine_GiB": (free0 - free1) / 2**30,
-           "allocated_GiB": torch.cuda.memory_allocated() / 2**30, "num_slots": r.num_slots, "num_blocks": r.num_blocks,
-           "max_num_seqs": r.max_num_seqs, "results": {}}
+           "allocated_GiB": torch.cuda.memory_allocated() / 2**30, "num_slots": sizes.num_slots,
+           "num_blocks": sizes.num_blocks, "max_num_seqs": sizes.max_num_seqs, "results": {}}
     print(json.dumps(rec), flush=True)
     for w in args.workloads.split(","):
         t = time.perf_counter()
@@ -51,7 +52,7 @@ def main() -> int:
             from mambaserve.benchmarks.datasets import synthetic_requests
             from mambaserve.benchmarks.throughput import measure_throughput
 
-            reqs = synthetic_requests(1000, r.vocab_size)
+            reqs = synthetic_requests(1000, engine.vocab_size)
             rec["results"][w] = measure_throughput(llm, reqs, use_tqdm=False)
         print(w, json.dumps(rec["results"][w]), f"{time.perf_counter() - t:.1f} s", flush=True)
         if args.out:

@@ -107,21 +107,23 @@ def _mixed_phase(llm, args, rng) -> dict:
     from mambaserve import SamplingParams
     from mambaserve.benchmarks.datasets import random_token_ids
 
-    eng, vocab = llm.llm_engine, llm.llm_engine.runner.vocab_size
+    eng, vocab = llm.llm_engine, llm.llm_engine.vocab_size
     n, steps = args.mixed_decodes, args.decode_steps
     long = SamplingParams(temperature=0.0, max_tokens=4 * steps + 8, ignore_eos=True)
     short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    for i in range(n):
-        eng.add_request(f"d{i}", {"prompt_token_ids": random_token_ids(rng, 64, vocab)}, long)
-    sched = eng.scheduler
-    while sched.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.running):
-        eng.step()
+    added = [f"d{i}" for i in range(n)]
+    for rid in added:
+        eng.add_request(rid, {"prompt_token_ids": random_token_ids(rng, 64, vocab)}, long)
+    started: set[str] = set()
+    while len(started) < n:  # until every prompt is prefilled (its first token sampled)
+        started.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
     eng.step()  # every request decoding
 
     def mixed_steps(tag: str):
         t0 = time.perf_counter()
         for j in range(steps):
-            eng.add_request(f"{tag}{j}", {"prompt_token_ids": random_token_ids(rng, args.input_len, vocab)}, short)
+            added.append(f"{tag}{j}")
+            eng.add_request(added[-1], {"prompt_token_ids": random_token_ids(rng, args.input_len, vocab)}, short)
             eng.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -142,12 +144,12 @@ def _mixed_phase(llm, args, rng) -> dict:
     py = sorted(((v[3], v[2], v[1], k) for k, v in st.stats.items()), reverse=True)[:30]  # by cumulative time
     python_cum = [{"function": f"{k[0].split('/')[-1]}:{k[1]}({k[2]})", "cum_us_per_step": c * 1e6 / steps,
                    "self_us_per_step": t * 1e6 / steps, "calls_per_step": n / steps} for c, t, n, k in py]
-    kinds = dict(eng.step_breakdown)
-    for rid in list(eng.requests):
-        eng.abort_request(rid)
+    kinds = eng.usage().step_breakdown
+    for rid in added:
+        eng.abort_request(rid)  # False for those already finished
     res = _summary(_kernels(prof), steps, wall_prof)
     res.update({"decodes": n, "prompt_len": args.input_len, "wall_ms_per_step_unprofiled": wall_plain * 1e3 / steps,
-                "step_kinds": {k: v[0] for k, v in kinds.items()}, **_host_summary(prof, steps),
+                "step_kinds": {k: v.steps for k, v in kinds.items()}, **_host_summary(prof, steps),
                 "python_cumulative": python_cum})
     return res
 
@@ -168,7 +170,7 @@ def profile_mode(model: str, mode: str, args) -> dict:
     llm = LLM(model, **kw)
     build_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
-    prompts = [random_token_ids(rng, args.input_len, llm.llm_engine.runner.vocab_size) for _ in range(args.batch_size)]
+    prompts = [random_token_ids(rng, args.input_len, llm.llm_engine.vocab_size) for _ in range(args.batch_size)]
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     many = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts], many, use_tqdm=False)  # warm-up (compiles)

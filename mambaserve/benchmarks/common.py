@@ -58,14 +58,15 @@ def engine_record(llm) -> dict:
     import dataclasses
 
     engine = llm.llm_engine
-    runner = engine.runner
+    sizes = engine.pool_sizes
     return {
         "compilation_mode": engine.config.resolved_compilation_mode(),
         "engine_config": dataclasses.asdict(engine.config),
-        "engine_resolved": {name: getattr(runner, attr, None) for name, attr in (
-            ("max_model_len", "max_model_len"), ("max_num_seqs", "max_num_seqs"),
-            ("max_num_batched_tokens", "max_num_batched_tokens"), ("num_state_slots", "num_slots"),
-            ("num_kv_blocks", "num_blocks"), ("dtype", "dtype"), ("mamba_ssm_cache_dtype", "ssm_dtype"))},
+        "engine_resolved": {
+            "max_model_len": sizes.max_model_len, "max_num_seqs": sizes.max_num_seqs,
+            "max_num_batched_tokens": sizes.max_num_batched_tokens, "num_state_slots": sizes.num_slots,
+            "num_kv_blocks": sizes.num_blocks, "dtype": engine.dtype,
+            "mamba_ssm_cache_dtype": engine.mamba_ssm_cache_dtype},
     }
 
 
@@ -73,13 +74,15 @@ def memory_record(llm) -> dict:
     """What the engine holds (weights, state and KV caches, in bytes) and, on a GPU, the peak
     of allocated device memory so far in this process (torch's counter: weights, caches, CUDA
     graph pools and the largest step's activations)."""
+    import dataclasses
+
     import torch
 
-    runner = llm.llm_engine.runner
-    rec = dict(getattr(runner, "memory", {}))
-    if runner.device.type == "cuda":
-        rec["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated(runner.device)
-        rec["gpu_total_bytes"] = torch.cuda.get_device_properties(runner.device).total_memory
+    engine = llm.llm_engine
+    rec = dataclasses.asdict(engine.memory)
+    if engine.device.type == "cuda":
+        rec["peak_gpu_allocated_bytes"] = torch.cuda.max_memory_allocated(engine.device)
+        rec["gpu_total_bytes"] = torch.cuda.get_device_properties(engine.device).total_memory
     return rec
 
 

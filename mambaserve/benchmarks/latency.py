@@ -62,7 +62,7 @@ def measure_latency(llm, input_len: int, output_len: int, batch_size: int, num_i
     if num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {num_iters_warmup}")
     rng = np.random.default_rng(seed)
-    vocab = llm.llm_engine.runner.vocab_size
+    vocab = llm.llm_engine.vocab_size
     prompts = [random_token_ids(rng, input_len, vocab) for _ in range(batch_size)]
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
     runs = []

@@ -10,6 +10,7 @@ counted from the outputs the engine returned, not taken from the dataset.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 from mambaserve.benchmarks.common import (args_record, engine_record, environment_info, memory_record,
@@ -61,7 +62,7 @@ def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True,
     prompts = [_prompt(r) for r in requests]
     params = [params_for(r) for r in requests]
     engine = llm.llm_engine
-    engine.step_breakdown.clear()
+    engine.reset_step_breakdown()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
@@ -69,8 +70,7 @@ def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True,
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     rec = throughput_record(len(outs), elapsed, prompt_tokens, output_tokens,
                             expected_output_tokens=sum(r.output_len for r in requests))
-    rec["step_breakdown"] = {k: {"steps": int(n), "seconds": sec, "tokens": int(tok), "max_step_seconds": longest}
-                             for k, (n, sec, tok, longest) in sorted(engine.step_breakdown.items())}
+    rec["step_breakdown"] = {k: dataclasses.asdict(b) for k, b in sorted(engine.usage().step_breakdown.items())}
     return rec
 
 
@@ -108,7 +108,7 @@ def main(args: argparse.Namespace, llm=None) -> int:
         llm = LLM.from_config(engine_config_from_args(args))
     config = llm.llm_engine.config
     tokenizer = llm.get_tokenizer()
-    requests = build_requests(args.dataset, args.num_prompts, vocab_size=llm.llm_engine.runner.vocab_size,
+    requests = build_requests(args.dataset, args.num_prompts, vocab_size=llm.llm_engine.vocab_size,
                               tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
                               range_ratio=args.random_range_ratio, seed=args.seed)
     rec = measure_throughput(llm, requests, use_tqdm=not args.disable_tqdm, num_warmup_prompts=args.num_warmup_prompts)

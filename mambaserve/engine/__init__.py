@@ -1,1 +1,2 @@
-"""The engine: sequences, scheduler, forward context, model runner, sampler and the step loop."""
+"""The engine: sequences, scheduler, forward context, model runner, sampler, input and output
+processing, and the step loop (`llm_engine`)."""

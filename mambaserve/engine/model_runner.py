@@ -22,6 +22,7 @@ from mambaserve.config import EngineConfig
 from mambaserve.engine.forward_context import ForwardContext
 from mambaserve.engine.scheduler import ScheduledSequence
 from mambaserve.engine.sequence import Sequence
+from mambaserve.engine.stats import MemoryUsage
 from mambaserve.loader import DTYPES, load_model
 
 logger = logging.getLogger("mambaserve")
@@ -167,12 +168,11 @@ class ModelRunner:
         self.max_num_seqs, self.max_model_len = sizes.max_num_seqs, sizes.max_model_len
         self.scratch_slot = sizes.scratch_slot  # reserved: padding rows of CUDA graphs
         # bytes of what the engine holds for good (reported by `generate` and the benchmarks)
-        self.memory = {
-            "weights_bytes": sum(t.numel() * t.element_size() for t in
-                                 {id(p): p for p in self.model.parameters()}.values()),
-            "state_cache_bytes": self.num_slots * slot_bytes,
-            "kv_cache_bytes": self.num_blocks * block_bytes,
-        }
+        self.memory = MemoryUsage(
+            weights_bytes=sum(t.numel() * t.element_size() for t in
+                              {id(p): p for p in self.model.parameters()}.values()),
+            state_cache_bytes=self.num_slots * slot_bytes,
+            kv_cache_bytes=self.num_blocks * block_bytes)
         logger.info("caches: %d state slots (%.1f MiB each), %d KV blocks of %d tokens", self.num_slots,
                     slot_bytes / 2**20, self.num_blocks, self.block_size)
 

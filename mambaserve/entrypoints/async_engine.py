@@ -22,7 +22,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mambaserve.engine.llm_engine import LLMEngine
+from mambaserve.engine.llm_engine import LLMEngine, QueueFullError
 from mambaserve.entrypoints.metrics import ServerMetrics
 from mambaserve.outputs import RequestOutput
 from mambaserve.sampling_params import SamplingParams
@@ -102,7 +102,7 @@ class AsyncEngine:
         self.engine = engine
         self.metrics = metrics
         self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.runner.vocab_size
+        self.vocab_size = engine.vocab_size
         self.model_path = engine.config.model
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -179,7 +179,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         if self.metrics is not None:
-            self.metrics.update_engine(engine)
+            self.metrics.update_engine(engine.usage())
         stopping = False
         while not stopping:
             try:
@@ -199,7 +199,7 @@ class AsyncEngine:
                 if engine.has_unfinished_requests() and not stopping:
                     self._step()
                 if self.metrics is not None:
-                    self.metrics.update_engine(engine)
+                    self.metrics.update_engine(engine.usage())
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 logger.exception("engine loop error; failing the requests in flight")
                 self._fail_all(EngineError("internal engine error", 500))
@@ -232,7 +232,7 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
             if isinstance(e, ValueError):
                 err = EngineError(str(e), 400)
-            elif isinstance(e, RuntimeError) and "queue is full" in str(e):
+            elif isinstance(e, QueueFullError):
                 err = EngineError(f"{e}; retry later", 503)
             else:
                 logger.exception("add_request failed")

@@ -14,6 +14,8 @@ import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from mambaserve.engine.stats import EngineUsage
+
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                  0.5, 0.75, 1.0, 2.5)
@@ -65,25 +67,24 @@ class ServerMetrics:
         self._window: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens so far)
         self.throughput.set_function(self._throughput)
 
-    def update_engine(self, engine) -> None:
-        """Copy the engine's counts into the gauges and counters. Call from the loop thread."""
-        sched = engine.scheduler
-        self.running.set(sched.num_running)
-        self.waiting.set(sched.num_waiting)
-        self.slots_used.set(engine.slot_pool.num_used)
-        self.slots_total.set(engine.slot_pool.num_slots)
-        pool = engine.block_pool
-        self.blocks_used.set(pool.num_used if pool is not None else 0)
-        self.blocks_total.set(pool.num_blocks if pool is not None else 0)
-        stats = engine.stats
+    def update_engine(self, usage: EngineUsage) -> None:
+        """Copy the engine's counts (`LLMEngine.usage()`) into the gauges and counters. Call
+        from the loop thread."""
+        self.running.set(usage.num_running)
+        self.waiting.set(usage.num_waiting)
+        self.slots_used.set(usage.num_slots_used)
+        self.slots_total.set(usage.num_slots_total)
+        self.blocks_used.set(usage.num_blocks_used)
+        self.blocks_total.set(usage.num_blocks_total)
         for name, counter in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                               ("preemptions", self.preemptions)):
-            delta = stats[name] - self._last_stats[name]
+            value = getattr(usage, name)
+            delta = value - self._last_stats[name]
             if delta > 0:
                 counter.inc(delta)
-            self._last_stats[name] = stats[name]
+            self._last_stats[name] = value
         now = time.monotonic()
-        self._window.append((now, stats["generation_tokens"]))
+        self._window.append((now, usage.generation_tokens))
         while len(self._window) > 2 and now - self._window[1][0] > _THROUGHPUT_WINDOW_S:
             self._window.popleft()
 

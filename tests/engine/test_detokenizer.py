@@ -48,7 +48,7 @@ def test_stop_strings_cut_the_text():
     out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40, stop=[stop],
                                                           include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
     assert out.text == base.text[: base.text.index(stop) + len(stop)]
-    assert llm.llm_engine.slot_pool.num_used == 0
+    assert llm.llm_engine.usage().num_slots_used == 0
 
 
 def test_stop_token_text_is_left_out():
@@ -78,4 +78,4 @@ def test_stop_strings_wait_for_min_tokens():
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == base.text[: base.text.index(stop, len(head))]
-    assert llm.llm_engine.slot_pool.num_used == 0
+    assert llm.llm_engine.usage().num_slots_used == 0

@@ -35,9 +35,9 @@ def run(llm, prompts, params=GREEDY):
 
 def assert_pools_empty(llm):
     e = llm.llm_engine
-    assert e.slot_pool.num_used == 0
-    if e.block_pool is not None:
-        assert e.block_pool.num_used == 0
+    usage = e.usage()
+    assert usage.num_slots_used == 0 and usage.num_blocks_used == 0
+    assert usage.num_running == 0 and usage.num_waiting == 0
     assert not e.has_unfinished_requests() and e.num_requests == 0
 
 
@@ -100,7 +100,7 @@ def test_preemption_under_tiny_kv_budget(name, alone):
     # 12 blocks of 4 tokens: enough for the longest request alone (30 + 10 tokens), not for all at once
     llm = make(name, block_size=4, num_kv_blocks=12, max_model_len=48)
     assert run(llm, prompts_for(name)) == alone(name)
-    assert llm.llm_engine.stats["preemptions"] > 0
+    assert llm.llm_engine.usage().preemptions > 0
     assert_pools_empty(llm)
 
 
@@ -134,7 +134,7 @@ def test_abort_frees_slot_and_blocks_and_next_request_starts_clean(alone):
     engine.add_request("b", {"prompt_token_ids": prompts[4]}, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.slot_pool.num_used == 2
+    assert engine.usage().num_slots_used == 2
     assert engine.abort_request("a") and engine.abort_request("b")
     assert not engine.abort_request("a")
     assert_pools_empty(llm)
@@ -309,9 +309,9 @@ def test_prompt_and_generation_token_counters(kw):
     llm = make("granite-moe", **kw)
     prompts = prompts_for("granite-moe")
     outs = run(llm, prompts)
-    stats = llm.llm_engine.stats
-    assert stats["prompt_tokens"] == sum(len(p) for p in prompts)
-    assert stats["generation_tokens"] == sum(len(o) for o in outs)
+    usage = llm.llm_engine.usage()
+    assert usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert usage.generation_tokens == sum(len(o) for o in outs)
 
 
 def _count_chained(llm):

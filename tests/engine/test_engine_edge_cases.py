@@ -152,9 +152,9 @@ def test_aborts_while_waiting_mid_prefill_and_after_one_completion_finished(alon
     e.add_request("queued", {"prompt_token_ids": prompts[2]}, GREEDY)        # waits behind them
     e.step()
     e.step()
-    long_seq = e.requests["long"].seqs[0]
+    long_seq = e.output_processor.requests["long"].seqs[0]
     assert 0 < long_seq.num_computed_tokens < len(prompts[5])  # mid-prefill
-    assert e.requests["queued"].seqs[0].state_slot is None  # still waiting
+    assert e.output_processor.requests["queued"].seqs[0].state_slot is None  # still waiting
     assert e.abort_request("long") and e.abort_request("queued")
     e.add_request(7, {"prompt_token_ids": prompts[0]}, GREEDY)  # ids are strings: 7 is "7"
     assert e.abort_request(7) and not e.abort_request("7")
@@ -165,7 +165,7 @@ def test_aborts_while_waiting_mid_prefill_and_after_one_completion_finished(alon
         for out in e.step():
             if out.finished:
                 done[out.request_id] = [c.token_ids for c in out.outputs]
-        n2 = e.requests.get("n2")
+        n2 = e.output_processor.requests.get("n2")
         if n2 is not None and n2.seqs[0].is_finished and not n2.seqs[1].is_finished:
             assert e.abort_request("n2")  # one completion done, the other running: abort the rest
     assert done["keep"] == [ref[3]]
@@ -185,14 +185,15 @@ def test_more_requests_than_state_slots(async_scheduling, alone):
     prompts, ref = prompts_for(name), alone(name)
     llm = make(name, num_state_slots=3, max_num_seqs=8, async_scheduling=async_scheduling)
     e = llm.llm_engine
-    assert e.scheduler.max_num_seqs == 2  # the third slot is the scratch slot
+    assert e.pool_sizes.max_num_seqs == 2 and e.pool_sizes.num_slots == 3  # the third slot is the scratch slot
     peak = [0]
     step = e.step
 
     def counted():
         out = step()
-        peak[0] = max(peak[0], e.scheduler.num_running)
-        assert e.slot_pool.num_used == e.scheduler.num_running
+        usage = e.usage()
+        peak[0] = max(peak[0], usage.num_running)
+        assert usage.num_slots_used == usage.num_running
         return out
 
     e.step = counted
@@ -221,7 +222,7 @@ def test_preemption_without_chunked_prefill(name, alone):
     llm = make(name, enable_chunked_prefill=False, max_num_batched_tokens=48, block_size=4, num_kv_blocks=12,
                max_model_len=48)
     assert run(llm, prompts + prompts[::-1]) == ref + ref[::-1]
-    assert llm.llm_engine.stats["preemptions"] > 0
+    assert llm.llm_engine.usage().preemptions > 0
     assert_pools_empty(llm)
 
 
@@ -232,8 +233,8 @@ def test_max_num_seqs_above_the_step_budget_and_a_budget_below_two_slots():
     slot beside the scratch slot is refused, also for a model without attention (it used to be
     overrun with two slots)."""
     name = "granite-moe"
-    big = make(name, max_num_seqs=10_000, max_num_batched_tokens=16).llm_engine.runner
-    asked = make(name, max_num_seqs=16, max_num_batched_tokens=16).llm_engine.runner
+    big = make(name, max_num_seqs=10_000, max_num_batched_tokens=16).llm_engine.pool_sizes
+    asked = make(name, max_num_seqs=16, max_num_batched_tokens=16).llm_engine.pool_sizes
     assert big.max_num_seqs == 16
     assert (big.num_slots, big.num_blocks) == (asked.num_slots, asked.num_blocks) and asked.num_slots == 17
     for name in ("mamba2-untied", "granite-moe"):
@@ -497,7 +498,7 @@ def test_a_bad_request_in_a_batch_leaves_the_engine_clean(bad, alone):
     with pytest.raises(ValueError):
         llm.generate([{"prompt_token_ids": prompts[3]}, bad[0], {"prompt_token_ids": prompts[2]}],
                      [GREEDY, bad[1], GREEDY], use_tqdm=False)
-    assert e.num_requests == 1 and e.slot_pool.num_used == 1
+    assert e.num_requests == 1 and e.usage().num_slots_used == 1
     assert drive(e, {}) == {"running": [ref[4]]}
     assert run(llm, prompts[:3]) == ref[:3]
     assert_pools_empty(llm)

@@ -24,7 +24,7 @@ def test_moe_every_layer_batched_chunked_and_preempted_equal_alone(alone):
     assert_pools_empty(llm)
     llm = make(NAME, block_size=4, num_kv_blocks=12, max_model_len=48)
     assert run(llm, prompts) == alone(NAME)
-    assert llm.llm_engine.stats["preemptions"] > 0
+    assert llm.llm_engine.usage().preemptions > 0
     assert_pools_empty(llm)
 
 

@@ -32,7 +32,7 @@ def test_preemption_under_tiny_kv_budget(name, alone):
     # 12 blocks of 4 tokens: enough for the longest request alone (30 + 10 tokens), not for all at once
     llm = make(name, block_size=4, num_kv_blocks=12, max_model_len=48)
     assert run(llm, prompts_for(name)) == alone(name)
-    assert llm.llm_engine.stats["preemptions"] > 0
+    assert llm.llm_engine.usage().preemptions > 0
     assert_pools_empty(llm)
 
 

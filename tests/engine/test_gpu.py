@@ -89,9 +89,14 @@ def test_graphs_with_joining_and_leaving_requests_and_long_prefill(name, mode):
                     done[out.request_id] = (o.token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs])
             step += 1
         results[run_mode] = [done[str(i)] for i in range(len(prompts))]
-        assert e.slot_pool.num_used == 0
+        assert e.usage().num_slots_used == 0
         if run_mode != "eager":
             assert e.runner.piecewise_graphs is not None
+        # how the runner says it ran each step: mixed steps in piecewise graphs, decode-only
+        # steps in the full decode graphs where they are captured (else eagerly)
+        paths = {kind.split("/")[0] for kind in e.usage().step_breakdown}
+        assert paths == {"eager": {"eager"}, "piecewise": {"eager", "piecewise"},
+                         "full_and_piecewise": {"decode_graph", "piecewise"}}[run_mode]
     # padded steps multiply in other cuBLAS kernels than the eager ones: a near tie may flip
     diverged = assert_greedy_close(results[mode], results["eager"])
     print("first differing step per sequence (None: all equal):", diverged)
@@ -131,5 +136,5 @@ def test_async_scheduling_equals_sync_with_graphs(name):
         llm = LLM(checkpoint(name), async_scheduling=mode, **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[mode] = [o.outputs[0].token_ids for o in outs]
-        assert llm.llm_engine.slot_pool.num_used == 0
+        assert llm.llm_engine.usage().num_slots_used == 0
     assert results[True] == results[False]

@@ -395,7 +395,7 @@ def test_shutdown_aborts_streams_and_stops_the_loop():
             server.should_exit = True
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and "shutting down" in rest[-2]
-    assert not engine.is_running and engine.engine.slot_pool.num_used == 0
+    assert not engine.is_running and engine.engine.usage().num_slots_used == 0
     assert not engine.engine.has_unfinished_requests()
 
 

@@ -1,0 +1,91 @@
+"""The engine's counters and the read-only records it hands out (usage, memory).
+
+`EngineStats` is written by the engine loop only; `EngineUsage` and `MemoryUsage` are frozen
+snapshots that the server's metrics, the benchmarks and `generate` read instead of the
+engine's scheduler, pools or runner. Plain Python: no tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """Bytes the engine holds for good: the weights (each shared tensor once), the state
+    slots (conv + SSM, the scratch slot included) and the KV blocks."""
+
+    weights_bytes: int
+    state_cache_bytes: int
+    kv_cache_bytes: int
+
+
+@dataclass
+class StepKindStats:
+    """Steps of one kind ("{path}/{decode|prefill|mixed}"): how many, their seconds (from
+    scheduling to the sampled tokens on the host), the tokens they fed to the model, and the
+    longest one's seconds."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    tokens: int = 0
+    max_step_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineUsage:
+    """A snapshot of the engine's load and counters.
+
+    num_running / num_waiting: sequences (a request with n > 1 has n). num_slots_used /
+    num_slots_total: state slots held by sequences / handed out at most (the scratch slot not
+    counted). num_blocks_used / num_blocks_total: KV blocks (0 / 0 without attention layers).
+    prompt_tokens: prompt tokens computed for the first time (a recompute after preemption is
+    not counted again); generation_tokens: tokens sampled and kept; steps: steps processed;
+    preemptions: sequences preempted by recompute. step_breakdown: per kind of step (a copy).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_slots_used: int
+    num_slots_total: int
+    num_blocks_used: int
+    num_blocks_total: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+    preemptions: int
+    step_breakdown: dict[str, StepKindStats]
+
+
+@dataclass
+class EngineStats:
+    """Counters of the engine loop (EngineUsage's fields of the same names)."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    step_breakdown: dict[str, StepKindStats] = field(default_factory=dict)
+
+    def count_step(self, live) -> None:
+        """Count a processed step. live: its ScheduledSequences still unfinished, with their
+        num_computed_tokens already advanced by the step."""
+        self.steps += 1
+        self.prompt_tokens += sum(
+            max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - (s.seq.num_computed_tokens - s.num_new_tokens))
+            for s in live if s.seq.num_preemptions == 0)
+
+    def record_step(self, path: str, scheduled, fed_tokens: int, seconds: float) -> None:
+        """Add a step to its kind's entry. path: how its forward ran; scheduled: its batch,
+        after processing (a decode's computed tokens now pass its prompt; a prefill's may too)."""
+        decodes = sum(1 for s in scheduled if s.seq.num_computed_tokens - s.num_new_tokens >= s.seq.num_prompt_tokens)
+        kind = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
+        entry = self.step_breakdown.setdefault(f"{path}/{kind}", StepKindStats())
+        entry.steps += 1
+        entry.seconds += seconds
+        entry.tokens += fed_tokens
+        entry.max_step_seconds = max(entry.max_step_seconds, seconds)
+
+    def breakdown_copy(self) -> dict[str, StepKindStats]:
+        return {k: dataclasses.replace(v) for k, v in self.step_breakdown.items()}
