@@ -114,7 +114,7 @@ def worker_ours(model: str, part: str, work: Path, smoke: bool) -> None:
         out = work / f"{_stem(model)}__mambaserve-{part}__{job}.json"
         args = parse(["bench", kind, *engine_flags, *flags, "--disable-tqdm", "--output-json", str(out)])
         if llm is None:
-            from mambaserve.entrypoints.args import engine_config_from_args
+            from mambaserve.engine.arg_utils import engine_config_from_args
 
             llm = LLM.from_config(engine_config_from_args(args))
             print(f"[{model} {part}] engine ready in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -5,7 +5,7 @@ import argparse
 import pytest
 
 from mambaserve.config import EngineConfig
-from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
+from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 
 
 def test_vllm_options_at_their_supported_values_are_accepted():

@@ -16,7 +16,7 @@ import time
 
 from mambaserve.benchmarks.common import (PERCENTILES, args_record, engine_record, environment_info, memory_record,
                                           percentiles, resolve_skip_tokenizer, write_json)
-from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
+from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

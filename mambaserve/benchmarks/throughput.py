@@ -16,7 +16,7 @@ import time
 from mambaserve.benchmarks.common import (args_record, engine_record, environment_info, memory_record,
                                           resolve_skip_tokenizer, write_json)
 from mambaserve.benchmarks.datasets import RANDOM, SYNTHETIC, BenchRequest, build_requests
-from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
+from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:

@@ -6,8 +6,8 @@ import argparse
 import sys
 import time
 
-from mambaserve.entrypoints.args import (add_engine_args, add_sampling_args, engine_config_from_args,
-                                         sampling_params_from_args)
+from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
+from mambaserve.sampling_params import SamplingParams
 
 
 def register(sub) -> None:
@@ -17,6 +17,31 @@ def register(sub) -> None:
     add_engine_args(p)
     add_sampling_args(p)
     p.set_defaults(func=run)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos,
+        seed=args.sampling_seed,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaserve import __version__
-from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args
+from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 from mambaserve.entrypoints.async_engine import AsyncEngine
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing

@@ -1,4 +1,5 @@
-"""Command-line flags shared by every entry point, mapped onto `EngineConfig` and `SamplingParams`.
+"""The engine's command-line flags, mapped onto `EngineConfig`: shared by `mambaserve generate`,
+`serve` and the benchmarks, which is why they live beneath both entrypoints/ and benchmarks/.
 
 Flag names are vLLM's, so a command line moves between the two engines unchanged.
 """
@@ -9,10 +10,10 @@ import argparse
 import dataclasses
 
 from mambaserve.config import COMPILATION_MODES, EngineConfig, default_model
-from mambaserve.sampling_params import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add the "engine" argument group: one flag per EngineConfig field a user sets."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=default_model(),
                    help="checkpoint directory, or a config .json with --load-format dummy (default: the bundled demo model)")
@@ -46,32 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The EngineConfig of parsed flags (other flags ignored), `overrides` applied on top.
+    Raises ValueError for bad values, as EngineConfig does."""
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     kw = {k: v for k, v in vars(args).items() if k in names}
     kw.update(overrides)
     return EngineConfig(**kw)
-
-
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-
-
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        n=args.n, max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, stop=args.stop, ignore_eos=args.ignore_eos,
-        seed=args.sampling_seed,
-    )
