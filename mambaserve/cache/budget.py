@@ -120,7 +120,8 @@ def size_pools(
             room = max(0, budget_bytes - 2 * slot_bytes) // 2
             if _ceil_div(resolved_len, block_size) * block_bytes > room:
                 resolved_len = max(block_size, room // block_bytes * block_size)
-                notes.append((logging.WARNING, f"max_model_len clamped to {resolved_len} tokens to fit the cache budget"))
+                notes.append((logging.WARNING,
+                              f"max_model_len clamped to {resolved_len} tokens to fit the cache budget"))
         min_blocks = _ceil_div(resolved_len, block_size)
         if num_kv_blocks is not None:
             num_blocks = num_kv_blocks

@@ -72,9 +72,11 @@ class EngineStats:
         """Count a processed step. live: its ScheduledSequences still unfinished, with their
         num_computed_tokens already advanced by the step."""
         self.steps += 1
-        self.prompt_tokens += sum(
-            max(0, min(s.seq.num_computed_tokens, s.seq.num_prompt_tokens) - (s.seq.num_computed_tokens - s.num_new_tokens))
-            for s in live if s.seq.num_preemptions == 0)
+        for s in live:
+            seq = s.seq
+            if seq.num_preemptions == 0:  # a recompute after preemption is not counted again
+                before = seq.num_computed_tokens - s.num_new_tokens
+                self.prompt_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before)
 
     def record_step(self, path: str, scheduled, fed_tokens: int, seconds: float) -> None:
         """Add a step to its kind's entry. path: how its forward ran; scheduled: its batch,
