@@ -19,7 +19,7 @@ import time
 import numpy as np
 import torch
 
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 
 logger = logging.getLogger("mambaserve")
 

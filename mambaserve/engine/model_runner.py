@@ -19,7 +19,7 @@ import torch
 from mambaserve.cache.budget import resolve_max_num_batched_tokens, size_pools
 from mambaserve.cache.tensors import allocate_caches
 from mambaserve.config import EngineConfig
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.engine.scheduler import ScheduledSequence
 from mambaserve.engine.sequence import Sequence
 from mambaserve.engine.stats import MemoryUsage

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers import graph_split
 
 logger = logging.getLogger("mambaserve")

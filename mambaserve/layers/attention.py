@@ -20,7 +20,7 @@ from torch import nn
 
 from mambaserve import ops
 from mambaserve.cache.spec import AttentionSpec, CacheDtypes
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
 from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.rotary import RotaryEmbedding

@@ -27,7 +27,7 @@ from torch import nn
 
 from mambaserve import ops
 from mambaserve.cache.spec import CacheDtypes, MambaSpec
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
 from mambaserve.layers.mamba2 import _Conv1dWeights, cached_decay_rates, project_out
 from mambaserve.layers.norm import RMSNorm

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.norm import RMSNorm

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mlp import FusedGatedMLP
 from mambaserve.layers.moe import GraniteMoE
 from mambaserve.layers.norm import RMSNorm

@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mamba1 import MambaMixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.moe import SparseMoeBlock

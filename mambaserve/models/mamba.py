@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mamba1 import MambaMixer
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM, MambaBackbone

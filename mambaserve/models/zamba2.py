@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.activation import get_activation
 from mambaserve.layers.attention import Attention
 from mambaserve.layers.lora import lora_adapters

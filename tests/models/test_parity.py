@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mambaserve.cache.tensors import allocate_caches
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 from mambaserve.loader import load_model
 from tests.conftest import rel_err
 from tests.models.tiny import CONFIGS, checkpoint, hf_model, tie_free_tokens

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mambaserve.engine.forward_context import ForwardContext
+from mambaserve.forward_context import ForwardContext
 
 
 def _mixed():
