@@ -10,7 +10,8 @@ and the FLOPs it must do. For each case the script prints and records:
   - kernel_us: the sum of the call's kernel durations from the torch profiler, L2 flushed
     before each call: no launch overheads (what the call costs inside the engine's graphs).
   - host_us: host time to issue one eager call (Python, argument checks, launches), with the
-    per-step metadata already cached as the engine does for every layer after the first.
+    step's launch plans already built (in a ForwardContext) as the engine has them for every
+    layer after the first.
   - GB/s and the fraction of the copy bandwidth measured in the same run (a 1 GiB
     device-to-device copy, bytes read plus written, at the start and at the end: the larger
     is used), and TFLOP/s, from the smaller of gpu_us and kernel_us.
@@ -51,6 +52,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mambaserve import ops  # noqa: E402
+from mambaserve.forward_context import ForwardContext  # noqa: E402
 from mambaserve.ops import conv1d as conv1d_mod  # noqa: E402
 from mambaserve.ops import mamba1_scan as mamba1_scan_mod  # noqa: E402
 from mambaserve.ops import ssd as ssd_mod  # noqa: E402
@@ -100,7 +102,7 @@ def gpu_time_us(fn: Callable[[], object], replays: int = 40, flush: bool = True)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        fn()  # compile and fill per-step metadata outside the capture
+        fn()  # compile (and build the plans, the first time) outside the capture
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
@@ -189,6 +191,14 @@ DECODE_BATCHES = (1, 8, 64, 256)
 STATE_BYTES = NHEADS * HEADDIM * DSTATE * 4  # one sequence's float32 SSM state
 
 
+def _context(qsl: list[int], state_indices: torch.Tensor, has_init: list[bool]) -> ForwardContext:
+    """The forward context of a packed batch with these offsets (no caches, no attention): what
+    the engine hands each layer, so that the ops get the step's plans as they do there."""
+    lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    return ForwardContext.build(query_lens=lens, seq_lens=lens, state_indices=state_indices.tolist(),
+                                has_initial_state=has_init, block_tables=None, block_size=1, device=DEV)
+
+
 class Layer:
     """Inputs of one Mamba2 layer for a packed batch, as views into in_proj-shaped tensors."""
 
@@ -222,11 +232,11 @@ class Layer:
         self.dt_bias = torch.randn(NHEADS, device=DEV, generator=g) - 2
         self.norm_w = torch.randn(D_INNER, device=DEV, generator=g).to(BF16)
         self.y = torch.randn(T, D_INNER, device=DEV, generator=g).to(BF16)
-        self.metadata: dict = {}
+        self.ctx = _context(qsl, self.idx, has_init)  # the step's host offsets and launch plans
 
     def conv1d(self):
         return ops.causal_conv1d(self.xbc, self.conv_w, self.conv_b, self.conv_states, self.qsl, self.idx,
-                                 self.has, "silu", metadata=self.metadata)
+                                 self.has, "silu", blocks=self.ctx.conv_blocks())
 
     def conv1d_update(self):
         return ops.causal_conv1d_update(self.xbc, self.conv_states, self.conv_w, self.conv_b, self.idx, "silu")
@@ -234,7 +244,7 @@ class Layer:
     def chunk_scan(self):
         return ops.mamba_chunk_scan(self.x, self.dt, self.A, self.B, self.C, CHUNK, self.D, self.z,
                                     self.dt_bias, self.ssm_states, self.qsl, self.idx, self.has,
-                                    metadata=self.metadata)
+                                    chunks=self.ctx.ssd_chunks(CHUNK))
 
     def state_update(self):
         return ops.selective_state_update(self.ssm_states, self.x, self.dt, self.A, self.B, self.C, self.D,
@@ -345,13 +355,13 @@ class Mamba1Layer:
         self.D = torch.randn(M1_D_INNER, device=DEV, generator=g)
         self.dt_bias = torch.randn(M1_D_INNER, device=DEV, generator=g)
         self.states = torch.randn(batch + 8, M1_D_INNER, M1_DSTATE, device=DEV, generator=g)
-        self.metadata: dict = {}  # per-step host copies, filled by the first (uncaptured) call
+        self.ctx = _context(qsl, self.idx, has_init)  # the step's host offsets
         self.bytes = (T * (4 * M1_D_INNER + 2 * M1_DSTATE) * 2  # x, z, dt, y, B, C
                       + (int(self.has.sum()) + batch) * M1_D_INNER * M1_DSTATE * 4)
 
     def scan(self):
         return ops.selective_scan(self.x, self.dt, self.A, self.B, self.C, self.D, self.z, self.dt_bias, self.states,
-                                  self.qsl, self.idx, self.has, metadata=self.metadata)
+                                  self.qsl, self.idx, self.has, query_start_loc_host=self.ctx.query_start_loc_host)
 
     def update(self):
         return ops.selective_scan_update(self.states, self.x, self.dt, self.A, self.B, self.C, self.D, self.z,
@@ -488,7 +498,7 @@ def main() -> None:
     result = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
               "timing": {"gpu_us": "CUDA graph replay of one call between events, L2 flushed before each, median",
                          "kernel_us": "sum of the call's kernel durations (torch profiler), L2 flushed before each",
-                         "host_us": "host time to issue one eager call, per-step metadata cached",
+                         "host_us": "host time to issue one eager call, the step's plans already built",
                          "GBps, frac_copy_bw, TFLOPs": "from min(gpu_us, kernel_us)"},
               "cases": []}
     copy_gbs = copy_bandwidth_gbs()

@@ -31,7 +31,8 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mambaserve.ops import attention as attention_mod  # noqa: E402
-from mambaserve.ops.attention import paged_attention_triton, reshape_and_cache_triton  # noqa: E402
+from mambaserve.ops.attention import paged_attention_triton, plan_paged_attention, reshape_and_cache_triton  # noqa: E402,E501
+from mambaserve.ops.varlen import check_offsets  # noqa: E402
 from mambaserve.ops import moe as moe_mod  # noqa: E402
 from mambaserve.ops.moe import _HAS_GROUPED_MM, fused_moe_triton, router_topk_triton, topk_softmax_triton  # noqa: E402
 
@@ -119,6 +120,13 @@ def attention_batch(specs, copies: int = 1):
     return sets, table, sl, qsl
 
 
+def attention_plan(table, sl, qsl, num_splits=None):
+    """The step's work list, built once from host copies as the forward context builds it."""
+    return plan_paged_attention(check_offsets(qsl.tolist()), sl.cpu().numpy(), group_size=HEADS // KV_HEADS,
+                                num_kv_heads=KV_HEADS, block_size=BLOCK, table_width=table.shape[1], device=DEV,
+                                num_splits=num_splits)
+
+
 def attention_cost(specs):
     flops = sum(4 * HEADS * HEAD_DIM * (n * p + n * (n + 1) / 2) for n, p in specs)
     kv_bytes = sum((n + p) for n, p in specs) * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, read once
@@ -132,16 +140,16 @@ def bench_attention_configs(name, specs, ceil, configs):
     q, kc, vc = sets[0]
     flops, nbytes = attention_cost(specs)
     floor, bound = floor_ms(flops, nbytes, ceil)
-    metadata: dict = {}
-    base = paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, metadata)
+    plan = attention_plan(table, sl, qsl)
+    base = paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, plan)
     default = attention_mod._launch_config
     rows = []
     for cfg in configs:
         attention_mod._launch_config = lambda block_r, block_d, on_gpu, cfg=cfg: cfg
         try:
-            out = paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, metadata)
+            out = paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, plan)
             err = float((out.float() - base.float()).norm() / base.float().norm())
-            t = bench(lambda: paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, metadata, out=out))
+            t = bench(lambda: paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, plan, out=out))
             rows.append({"case": name, "variant": f"BLOCK_N,warps,stages={cfg}", "flops": flops, "bytes": nbytes,
                          "floor_ms": floor, "bound": bound, "eager_ms": t, "eager_fraction_of_floor": floor / t,
                          "TFLOPs": flops / t / 1e9, "rel_diff_vs_default": err})
@@ -156,14 +164,10 @@ def bench_attention(name, specs, ceil, copies, graph: bool, extra_splits=()):
     floor, bound = floor_ms(flops, nbytes, ceil)
     rows = []
     for forced in (None, *extra_splits):
-        metadata: dict = {}
-        q, kc, vc = sets[0]
-        paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, metadata, num_splits=forced)
-        (plan,) = metadata.values()
+        plan = attention_plan(table, sl, qsl, num_splits=forced)
         outs = [torch.empty_like(s[0]) for s in sets]
         calls = [
-            (lambda s=s, o=o: paged_attention_triton(s[0], s[1], s[2], table, sl, qsl, SCALE, metadata,
-                                                      num_splits=forced, out=o))
+            (lambda s=s, o=o: paged_attention_triton(s[0], s[1], s[2], table, sl, qsl, SCALE, plan, out=o))
             for s, o in zip(sets, outs)
         ]
         t_eager = bench(calls[0])

@@ -2,11 +2,17 @@
 
 A step runs one forward pass over a packed batch: sequence i owns token rows
 `query_start_loc[i]:query_start_loc[i+1]`. Decodes (one new token, with a state to continue
-from) come first, prefills and prefill chunks after them. The context also carries references to
-the cache tensors (one (conv_states, ssm_states) pair per Mamba layer, one (k_cache, v_cache)
-pair per attention layer), which the engine allocates once from the model's `CacheSpec`.
+from) come first, prefills and prefill chunks after them. The context holds the batch twice:
+as device tensors, which the kernels read, and as checked host arrays, from which the kernels'
+launch plans (conv token blocks, SSD chunks, the attention work list) are built once per step
+and shared by every layer (`conv_blocks`, `ssd_chunks`, `attention_plan`): no layer and no
+kernel reads the device to plan its work. It also carries references to the cache tensors (one
+(conv_states, ssm_states) pair per Mamba layer, one (k_cache, v_cache) pair per attention
+layer), which the engine allocates once from the model's cache spec.
 
-This module knows nothing about scheduling; `ForwardContext.build` takes plain host lists.
+This module sits beneath layers/, models/ and engine/ and imports none of them (only the plan
+builders of `mambaserve.ops`); it knows nothing about scheduling: `ForwardContext.build` takes
+plain host lists.
 """
 
 from __future__ import annotations
@@ -15,6 +21,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from mambaserve.ops import conv1d
+from mambaserve.ops.attention import AttentionPlan, plan_paged_attention
+from mambaserve.ops.varlen import SsdChunks, TokenBlocks, check_offsets, conv_token_blocks, ssd_chunks
 
 
 @dataclass
@@ -29,8 +39,11 @@ class ForwardContext:
         attention layers. slot_mapping: (num_tokens,) int64 KV slot of each new token, -1 = none.
     num_decodes: how many leading sequences are one-token decodes with an initial state
         (host value). num_tokens, max_query_len, max_seq_len: host values.
+    query_start_loc_host: (batch + 1,) int64 numpy, the offsets on the host, checked on creation
+        (non-negative, non-decreasing). seq_lens_host: (batch,) int64 numpy, the lengths the
+        attention plan is built for (a decode graph's: the longest context it plans for).
     mamba_caches / kv_caches: the cache tensors, indexed by a layer's cache index.
-    metadata: a scratch dict shared by the ops of this step (kernel metadata computed once).
+    Raises ValueError on host copies that disagree with the batch or offsets that decrease.
     """
 
     query_start_loc: torch.Tensor
@@ -43,9 +56,24 @@ class ForwardContext:
     num_tokens: int
     max_query_len: int
     max_seq_len: int
+    query_start_loc_host: np.ndarray
+    seq_lens_host: np.ndarray
     mamba_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    metadata: dict = field(default_factory=dict)
+    # the plans, built on first use and kept for the step (keyed by what each depends on)
+    _prefill: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
+    _conv_blocks: dict[int, TokenBlocks] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _ssd_chunks: dict[int, SsdChunks] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _attention_plans: dict[tuple[int, int, int], AttentionPlan] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        batch = self.state_indices.shape[0]
+        self.query_start_loc_host = check_offsets(self.query_start_loc_host)
+        self.seq_lens_host = np.asarray(self.seq_lens_host, dtype=np.int64)
+        if self.query_start_loc_host.shape != (batch + 1,) or self.seq_lens_host.shape != (batch,):
+            raise ValueError(f"host copies of {self.query_start_loc_host.size} offsets and {self.seq_lens_host.size} "
+                             f"lengths for a batch of {batch}")
 
     @property
     def batch_size(self) -> int:
@@ -56,27 +84,57 @@ class ForwardContext:
         """True when every sequence is a one-token decode (the decode kernels apply)."""
         return self.num_decodes == self.batch_size
 
-    def prefill_part(self) -> "ForwardContext":
+    @property
+    def device(self) -> torch.device:
+        return self.query_start_loc.device
+
+    def prefill_part(self) -> ForwardContext:
         """The context of the sequences after the leading decodes, with rows renumbered from
         the first of them (row num_decodes of this step is their row 0): a layer that runs the
-        decodes through one-step kernels runs the rest through this. Built once per step (kept
-        in `metadata`), so every layer shares it and the kernel metadata cached in it."""
-        part = self.metadata.get("prefill_part")
-        if part is None:
+        decodes through one-step kernels runs the rest through this. Built once per step, so
+        every layer shares it and the plans built in it."""
+        if self._prefill is None:
             nd = self.num_decodes  # one row each
-            meta = {}
-            if "query_start_loc_host" in self.metadata and "seq_lens_host" in self.metadata:
-                meta = {"query_start_loc_host": [q - nd for q in self.metadata["query_start_loc_host"][nd:]],
-                        "seq_lens_host": list(self.metadata["seq_lens_host"][nd:])}
-            part = ForwardContext(
+            self._prefill = ForwardContext(
                 query_start_loc=self.query_start_loc[nd:] - nd, seq_lens=self.seq_lens[nd:],
                 state_indices=self.state_indices[nd:], has_initial_state=self.has_initial_state[nd:],
                 block_table=None if self.block_table is None else self.block_table[nd:],
                 slot_mapping=None if self.slot_mapping is None else self.slot_mapping[nd:],
                 num_decodes=0, num_tokens=self.num_tokens - nd, max_query_len=self.max_query_len,
-                max_seq_len=self.max_seq_len, mamba_caches=self.mamba_caches, kv_caches=self.kv_caches, metadata=meta)
-            self.metadata["prefill_part"] = part
-        return part
+                max_seq_len=self.max_seq_len, query_start_loc_host=self.query_start_loc_host[nd:] - nd,
+                seq_lens_host=self.seq_lens_host[nd:], mamba_caches=self.mamba_caches, kv_caches=self.kv_caches)
+        return self._prefill
+
+    def conv_blocks(self) -> TokenBlocks:
+        """The token blocks of `ops.causal_conv1d` for this batch (of the kernel's configured
+        block size), built on first use."""
+        block_t = conv1d.CONV_CONFIG["block_t"]
+        blocks = self._conv_blocks.get(block_t)
+        if blocks is None:
+            blocks = self._conv_blocks[block_t] = conv_token_blocks(self.query_start_loc_host, block_t, self.device)
+        return blocks
+
+    def ssd_chunks(self, chunk_size: int) -> SsdChunks:
+        """The chunks of `ops.ssd_chunk_scan` of `chunk_size` rows for this batch, built on first use."""
+        chunks = self._ssd_chunks.get(chunk_size)
+        if chunks is None:
+            chunks = self._ssd_chunks[chunk_size] = ssd_chunks(self.query_start_loc_host, chunk_size, self.device)
+        return chunks
+
+    def attention_plan(self, group_size: int, num_kv_heads: int, block_size: int) -> AttentionPlan:
+        """The work list of `ops.paged_attention` for this batch, for a layer of `group_size`
+        query heads per kv head, num_kv_heads kv heads and KV pages of block_size tokens, built
+        on first use (a decode graph builds it in its warm-up, outside the capture). Raises
+        ValueError when seq_lens or the block table do not cover the new tokens."""
+        key = (group_size, num_kv_heads, block_size)
+        plan = self._attention_plans.get(key)
+        if plan is None:
+            if self.block_table is None:
+                raise ValueError("this step has no block table (the model declared no attention layer)")
+            plan = self._attention_plans[key] = plan_paged_attention(
+                self.query_start_loc_host, self.seq_lens_host, group_size=group_size, num_kv_heads=num_kv_heads,
+                block_size=block_size, table_width=self.block_table.shape[1], device=self.device)
+        return plan
 
     @classmethod
     def build(
@@ -92,7 +150,7 @@ class ForwardContext:
         mamba_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         pad_to: int | None = None,
-    ) -> "ForwardContext":
+    ) -> ForwardContext:
         """Build the context from host lists, one entry per sequence (decodes first).
 
         query_lens[i] new tokens of sequence i end at position seq_lens[i] - 1. block_tables[i]
@@ -142,8 +200,8 @@ class ForwardContext:
             num_tokens=offsets[-1],
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
+            query_start_loc_host=np.asarray(offsets, dtype=np.int64),
+            seq_lens_host=np.asarray(seq_lens, dtype=np.int64),
             mamba_caches=mamba_caches or [],
             kv_caches=kv_caches or [],
-            # the kernels plan their work from these host copies instead of syncing the device
-            metadata={"query_start_loc_host": offsets, "seq_lens_host": list(seq_lens)},
         )

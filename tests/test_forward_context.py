@@ -1,5 +1,7 @@
-"""ForwardContext: host lists -> device metadata, and the prefill part of a mixed step."""
+"""ForwardContext: host lists -> device tensors and checked host copies, the prefill part of a
+mixed step, and the launch plans built once per step."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -33,7 +35,7 @@ def test_prefill_part_renumbers_rows_and_is_built_once():
     assert part.seq_lens.tolist() == [12, 3] and part.block_table.shape[0] == 2
     assert part.slot_mapping.tolist() == ctx.slot_mapping.tolist()[2:]
     assert part.num_decodes == 0 and part.num_tokens == 7
-    assert part.metadata == {"query_start_loc_host": [0, 4, 7], "seq_lens_host": [12, 3]}
+    assert part.query_start_loc_host.tolist() == [0, 4, 7] and part.seq_lens_host.tolist() == [12, 3]
     assert part.mamba_caches is ctx.mamba_caches
 
 
@@ -48,3 +50,42 @@ def test_build_rejects_inconsistent_lists():
         ForwardContext.build(query_lens=[2], seq_lens=[9], state_indices=[0], has_initial_state=[True],
                              block_tables=[[1, 2]], block_size=4, device="cpu")
     assert torch.is_tensor(_mixed().has_initial_state)
+
+
+def test_plans_are_built_once_from_the_host_copies():
+    """Every layer of a step gets the same plan objects, equal to what the builders make from
+    the host offsets; a plan of another chunk size or head grouping is a plan of its own."""
+    from mambaserve.ops import conv1d, varlen
+    from mambaserve.ops.attention import plan_paged_attention
+
+    ctx = _mixed()
+    part = ctx.prefill_part()
+    assert part.conv_blocks() is part.conv_blocks() and part.ssd_chunks(4) is part.ssd_chunks(4)
+    assert part.ssd_chunks(8) is not part.ssd_chunks(4)
+    expected = varlen.ssd_chunks(np.array([0, 4, 7]), 4, "cpu")
+    got = part.ssd_chunks(4)
+    assert (got.num_chunks, got.batch, got.num_tokens) == (expected.num_chunks, 2, 7)
+    assert got.chunk_start.tolist() == expected.chunk_start.tolist() == [0, 4]
+    assert got.chunk_end.tolist() == [4, 7] and got.seq_chunk.tolist() == [0, 1, 2]
+    blocks = ctx.conv_blocks()
+    assert blocks.block_t == conv1d.CONV_CONFIG["block_t"] and blocks.batch == 4 and blocks.num_tokens == 9
+    plan = ctx.attention_plan(2, 1, 4)
+    assert plan is ctx.attention_plan(2, 1, 4) and plan is not ctx.attention_plan(1, 2, 4)
+    direct = plan_paged_attention(np.array([0, 1, 2, 6, 9]), np.array([9, 5, 12, 3]), group_size=2, num_kv_heads=1,
+                                  block_size=4, table_width=3, device="cpu")
+    assert torch.equal(plan.work, direct.work) and plan.num_splits == direct.num_splits
+
+
+def test_host_copies_are_checked_on_creation():
+    ctx = _mixed()
+    fields = dict(query_start_loc=ctx.query_start_loc, seq_lens=ctx.seq_lens, state_indices=ctx.state_indices,
+                  has_initial_state=ctx.has_initial_state, block_table=None, slot_mapping=None, num_decodes=2,
+                  num_tokens=9, max_query_len=4, max_seq_len=12, seq_lens_host=np.array([9, 5, 12, 3]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        ForwardContext(**fields, query_start_loc_host=np.array([0, 1, 2, 1, 9]))
+    with pytest.raises(ValueError, match="non-negative"):
+        ForwardContext(**fields, query_start_loc_host=np.array([-1, 1, 2, 6, 9]))
+    with pytest.raises(ValueError, match="for a batch of 4"):
+        ForwardContext(**fields, query_start_loc_host=np.array([0, 1, 2, 6]))
+    with pytest.raises(ValueError, match="no block table"):
+        ForwardContext(**fields, query_start_loc_host=np.array([0, 1, 2, 6, 9])).attention_plan(1, 1, 4)

@@ -78,8 +78,10 @@ class DecodeGraphRunner:
             block_table=self.block_table[:bs] if self.has_attention else None,
             slot_mapping=self.slot_mapping[:bs] if self.has_attention else None,
             num_decodes=bs, num_tokens=bs, max_query_len=1, max_seq_len=self.plan_len,
+            # the attention plan is built for plan_len-token contexts: the kernels read the real
+            # lengths from the buffers at replay
+            query_start_loc_host=np.arange(bs + 1), seq_lens_host=np.full(bs, self.plan_len),
             mamba_caches=self.caches.mamba, kv_caches=self.caches.kv,
-            metadata={"query_start_loc_host": list(range(bs + 1)), "seq_lens_host": [self.plan_len] * bs},
         )
 
     @torch.inference_mode()
@@ -95,7 +97,7 @@ class DecodeGraphRunner:
         with torch.cuda.stream(stream):
             for bs in reversed(self.sizes):
                 ctx = self._context(bs)
-                for _ in range(2):  # warm-up: compiles kernels, fills ctx.metadata with the plans
+                for _ in range(2):  # warm-up: compiles kernels, builds the context's plans
                     self._forward(bs, ctx)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()

@@ -105,5 +105,6 @@ class Attention(nn.Module):
         k, v: (T, num_kv_heads, head_dim). Returns (T, num_heads, head_dim)."""
         k_cache, v_cache = ctx.kv_caches[self.cache_index if cache_index is None else cache_index]
         ops.reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        plan = ctx.attention_plan(self.num_heads // self.num_kv_heads, self.num_kv_heads, k_cache.shape[1])
         return ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc,
-                                   self.scale, metadata=ctx.metadata)
+                                   self.scale, plan=plan)

@@ -113,10 +113,11 @@ class MambaMixer(nn.Module):
             return ops.selective_scan_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, z,
                                              self.dt_proj.bias, ctx.state_indices)
         x = ops.causal_conv1d(x, weight, self.conv1d.bias, conv_states, ctx.query_start_loc, ctx.state_indices,
-                              ctx.has_initial_state, metadata=ctx.metadata)
+                              ctx.has_initial_state, blocks=ctx.conv_blocks())
         dt, B, C = self._dt_B_C(x)
         return ops.selective_scan(x, dt, self.decay_rates(), B, C, self.D, z, self.dt_proj.bias, ssm_states,
-                                  ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state, metadata=ctx.metadata)
+                                  ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
+                                  query_start_loc_host=ctx.query_start_loc_host)
 
     def _dt_B_C(self, x: torch.Tensor):
         """x: (T, d_inner) after the conv -> dt (T, d_inner) before its bias and softplus, and

@@ -176,8 +176,8 @@ class Mamba2Mixer(nn.Module):
         conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         xBC = ops.causal_conv1d(xBC, weight, self.conv1d.bias, conv_states, ctx.query_start_loc,
-                                ctx.state_indices, ctx.has_initial_state, metadata=ctx.metadata)
+                                ctx.state_indices, ctx.has_initial_state, blocks=ctx.conv_blocks())
         x, B, C = self._split_xbc(xBC)
         return ops.mamba_chunk_scan(x, dt, self.decay_rates(), B, C, self.chunk_size, self.D, z, self.dt_bias,
                                     ssm_states, ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
-                                    dt_softplus=True, dt_limit=self.dt_limit, metadata=ctx.metadata)
+                                    dt_softplus=True, dt_limit=self.dt_limit, chunks=ctx.ssd_chunks(self.chunk_size))

@@ -5,9 +5,10 @@ reference of `mambaserve.ops.reference`. `backend("reference" | "triton" | "auto
 implementation inside a `with` block (tests use "triton" on CPU tensors under
 TRITON_INTERPRET=1). Arguments are checked here, once, for both implementations.
 
-Some kernels need per-step metadata computed on the host (chunk boundaries, token blocks). Ops
-that do take an optional `metadata` dict: the forward context passes one dict per step, the
-first layer fills it and every later layer reuses it. The references ignore it.
+Kernels over packed batches take a launch plan built once per step on the host (token blocks,
+SSD chunks, the attention work list: `varlen`, `attention.plan_paged_attention`); the forward
+context builds them and every layer passes them. Without a plan the kernel path builds one
+from a device read (a host sync). The references need none.
 
 This package knows nothing about models or the engine.
 """
@@ -18,11 +19,16 @@ import contextlib
 import math
 import numbers
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
+import numpy as np
 import torch
 
 from mambaserve.ops import reference
+from mambaserve.ops.varlen import SsdChunks, TokenBlocks
+
+if TYPE_CHECKING:
+    from mambaserve.ops.attention import AttentionPlan
 
 __all__ = [
     "backend",
@@ -114,7 +120,7 @@ def causal_conv1d(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
-    metadata: dict | None = None,
+    blocks: TokenBlocks | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d over a packed batch mixing prefills and decodes.
 
@@ -140,7 +146,7 @@ def causal_conv1d(
         from mambaserve.ops.conv1d import causal_conv1d_triton
 
         return causal_conv1d_triton(x, weight, bias, conv_states, query_start_loc, state_indices,
-                                    has_initial_state, activation, metadata)
+                                    has_initial_state, activation, blocks)
     return reference.causal_conv1d(x, weight, bias, conv_states, query_start_loc, state_indices,
                                    has_initial_state, activation)
 
@@ -206,7 +212,7 @@ def mamba_chunk_scan(
     has_initial_state: torch.Tensor,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
-    metadata: dict | None = None,
+    chunks: SsdChunks | None = None,
 ) -> torch.Tensor:
     """The Mamba2 SSD scan over variable-length packed sequences, with state pool I/O.
 
@@ -231,7 +237,7 @@ def mamba_chunk_scan(
 
         return mamba_chunk_scan_triton(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states,
                                        query_start_loc, state_indices, has_initial_state,
-                                       dt_softplus, dt_limit, metadata)
+                                       dt_softplus, dt_limit, chunks)
     return reference.mamba_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states,
                                       query_start_loc, state_indices, has_initial_state,
                                       dt_softplus, dt_limit)
@@ -299,7 +305,7 @@ def selective_scan(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     dt_softplus: bool = True,
-    metadata: dict | None = None,
+    query_start_loc_host: np.ndarray | None = None,
 ) -> torch.Tensor:
     """The Mamba-1 selective scan over variable-length packed sequences, with state pool I/O.
 
@@ -312,7 +318,8 @@ def selective_scan(
     has_initial_state (batch,) bool. Returns y (num_tokens, dim) in x.dtype.
     Math (Mamba paper, Gu & Dao 2023, section 3, Algorithm 2): dt' = softplus(dt + dt_bias);
     h_t = exp(dt'_t A) * h_{t-1} + (dt'_t x_t) B_t^T; y_t = h_t C_t + D x_t.
-    metadata: the per-step dict (the kernel path reads the host copy of the offsets from it).
+    query_start_loc_host: the step's checked host copy of query_start_loc (the kernel path
+    reads it instead of the device tensor).
     Raises ValueError on inconsistent shapes, or query_start_loc that starts below 0,
     decreases or ends past x's rows.
     """
@@ -322,7 +329,7 @@ def selective_scan(
         from mambaserve.ops.mamba1_scan import selective_scan_triton
 
         return selective_scan_triton(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
-                                     has_initial_state, dt_softplus, metadata)
+                                     has_initial_state, dt_softplus, query_start_loc_host)
     return reference.selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
                                     has_initial_state, dt_softplus)
 
@@ -471,7 +478,7 @@ def paged_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
-    metadata: dict | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of a packed prefill/decode batch over the paged KV cache.
 
@@ -493,7 +500,7 @@ def paged_attention(
         from mambaserve.ops.attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
-                                      scale, metadata)
+                                      scale, plan)
     return reference.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
 
 

@@ -13,9 +13,9 @@ flash-decoding for the split over the context):
 - When items x kv heads would not fill the GPU (small decode batches), every item's context is
   cut into num_splits ranges, each program writes an unnormalised partial result with its
   running max and sum, and a second small kernel combines them.
-- The list of work items is built on the host from query_start_loc and seq_lens (one device
-  sync), once per step: it is cached in the caller's `metadata` dict and reused by every
-  attention layer of the step. Items are ordered longest context first so that the causal
+- The list of work items (`AttentionPlan`) is built on the host from the step's host copies
+  of query_start_loc and seq_lens by `plan_paged_attention`, once per step (the forward
+  context does it) and passed by every attention layer of the step. Items are ordered longest context first so that the causal
   tail of a long prefill does not run alone at the end.
 
 This module knows nothing about models or the engine; the math is `reference.paged_attention`.
@@ -26,18 +26,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["reshape_and_cache_triton", "paged_attention_triton"]
+from mambaserve.ops.varlen import check_offsets
+
+__all__ = ["reshape_and_cache_triton", "paged_attention_triton", "plan_paged_attention", "AttentionPlan"]
 
 # Below this many programs in the main grid, the context is split (flash-decoding).
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
 
 
-def _next_pow2(n: int) -> int:
+def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
@@ -115,7 +118,7 @@ def reshape_and_cache_triton(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         PAGE=k_cache.shape[1],
-        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
     )
 
 
@@ -287,13 +290,17 @@ def _launch_config(block_r: int, block_d: int, on_gpu: bool) -> tuple[int, int, 
     return block_n, 8 if block_r >= 128 else 4, 3
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionPlan:
-    """Host-side work list of one step, shared by every attention layer of that step.
+    """The work list of one step's paged attention, shared by every attention layer of that
+    step with the same head grouping and cache layout.
 
     work: (num_items, 2) int32 on the device, rows (sequence, first new token of the block),
-    longest context first; tokens: new tokens per block (BLOCK_R // G); num_splits: context
-    ranges per item (1 = no split); num_tokens: query_start_loc[-1].
+    longest context first; block_r: tile rows; tokens: new tokens per block (block_r //
+    group_size); num_splits: context ranges per item (1 = no split); num_tokens:
+    query_start_loc[-1]; max_q_len: the longest query. batch, group_size, num_kv_heads,
+    block_size, max_blocks (the block-table columns the longest context needs): what the plan
+    was built for, checked by the launcher.
     """
 
     work: torch.Tensor
@@ -302,30 +309,44 @@ class AttentionPlan:
     num_splits: int
     num_tokens: int
     max_q_len: int
+    batch: int
+    group_size: int
+    num_kv_heads: int
+    block_size: int
+    max_blocks: int
 
 
-def _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, num_splits, metadata):
-    batch = seq_lens.shape[0]
-    if metadata is not None and "query_start_loc_host" in metadata and "seq_lens_host" in metadata:
-        qsl, lens = list(metadata["query_start_loc_host"]), list(metadata["seq_lens_host"])
-        if len(qsl) != batch + 1 or len(lens) != batch:
-            raise ValueError("metadata's query_start_loc_host / seq_lens_host disagree with the batch")
-    else:  # one device sync per step
-        host = torch.cat([query_start_loc.reshape(-1).to(torch.int64), seq_lens.to(torch.int64)]).tolist()
-        qsl, lens = host[: batch + 1], host[batch + 1 :]
+def plan_paged_attention(query_start_loc_host: np.ndarray, seq_lens_host: np.ndarray, *, group_size: int,
+                         num_kv_heads: int, block_size: int, table_width: int, device,
+                         num_splits: int | None = None) -> AttentionPlan:
+    """The work list of `paged_attention` for a batch, from host arrays.
+
+    query_start_loc_host: checked offsets (batch + 1,) int64 (`varlen.check_offsets`);
+    seq_lens_host: (batch,) int, context length of each sequence after this step; group_size:
+    query heads per kv head; table_width: the block table's columns; device: where the work
+    list goes (one copy). num_splits forces the number of context splits (tests, benchmarks);
+    None chooses from the batch: when items x kv heads would not fill the GPU, each item's
+    context is split. Raises ValueError when a sequence's seq_len is shorter than its new
+    tokens or needs more blocks than table_width.
+    """
+    qsl, lens = query_start_loc_host.tolist(), np.asarray(seq_lens_host).tolist()  # lists: fast loops
+    batch = len(lens)
+    if len(qsl) != batch + 1:
+        raise ValueError(f"{len(qsl)} offsets for {batch} sequence lengths")
+    if num_splits is not None and not 1 <= num_splits <= 256:
+        raise ValueError(f"num_splits must be in [1, 256], got {num_splits}")
     q_lens = [qsl[i + 1] - qsl[i] for i in range(batch)]
-    if any(n < 0 for n in q_lens) or qsl[0] < 0:
-        raise ValueError("query_start_loc must be non-negative and non-decreasing")
     if any(n > s for n, s in zip(q_lens, lens)):
         raise ValueError("seq_lens must be at least each sequence's number of new tokens")
     max_blocks = max([-(-s // block_size) for n, s in zip(q_lens, lens) if n > 0], default=0)
-    if max_blocks > block_table.shape[1]:
-        raise ValueError(f"block_table has {block_table.shape[1]} columns, a sequence needs {max_blocks}")
+    if max_blocks > table_width:
+        raise ValueError(f"block_table has {table_width} columns, a sequence needs {max_blocks}")
+    G = group_size
     max_q = max(q_lens, default=0)
     # Rows per tile: enough for the longest query block, at least 16 (matrix-unit minimum)
     # and G (one token), at most 128 (register budget of the fp32 accumulator).
-    block_r = min(max(_next_pow2(max_q * G), 16), 128)
-    block_r = max(block_r, _next_pow2(G))
+    block_r = min(max(next_power_of_2(max_q * G), 16), 128)
+    block_r = max(block_r, next_power_of_2(G))
     tokens = block_r // G
     items = []
     for i, n in enumerate(q_lens):
@@ -335,14 +356,15 @@ def _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, n
     items.sort(key=lambda it: -it[0])
     if num_splits is None:
         programs = len(items) * num_kv_heads
-        n_sm = _num_sms(query_start_loc.device)
+        n_sm = _num_sms(torch.device(device))
         num_splits = 1
         if 0 < programs < n_sm:
             max_kv = items[0][0]
             num_splits = max(1, min(-(-2 * n_sm // programs), -(-max_kv // _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS))
     flat = [x for _, i, t0 in items for x in (i, t0)]
-    work = torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(query_start_loc.device, non_blocking=True)
-    return AttentionPlan(work, block_r, tokens, int(num_splits), qsl[-1], max_q)
+    work = torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device, non_blocking=True)
+    return AttentionPlan(work, block_r, tokens, int(num_splits), qsl[-1], max_q, batch, G, num_kv_heads,
+                         block_size, max_blocks)
 
 
 def paged_attention_triton(
@@ -353,7 +375,7 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
-    metadata: dict | None = None,
+    plan: AttentionPlan | None = None,
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
@@ -365,10 +387,10 @@ def paged_attention_triton(
     holding this step's keys, head_dim stride 1; any block_size >= 1 (keys are gathered one by one);
     block_table: (batch, max_blocks_per_seq) int32; seq_lens: (batch,) int32, context length
     after this step; query_start_loc: (batch + 1,) int32; scale: softmax scale.
-    metadata: the step's dict (the plan is cached in it) or None; when it holds host lists
-    "query_start_loc_host" and "seq_lens_host", the plan is built without a device sync.
-    num_splits: force the
-    number of context splits (tests); None chooses from the batch. out: optional
+    plan: the step's `AttentionPlan` (`plan_paged_attention`, which the forward context builds
+    once per step); None builds it here from a device read of query_start_loc and seq_lens
+    (one host sync, not allowed inside a CUDA-graph capture). num_splits: force the number of
+    context splits when the plan is built here (tests); None chooses from the batch. out: optional
     preallocated (num_tokens, num_heads, head_dim) result in q.dtype, head_dim stride 1.
     Returns (num_tokens, num_heads, head_dim) in q.dtype; rows past query_start_loc[-1] are
     left unwritten, as in the reference.
@@ -404,13 +426,19 @@ def paged_attention_triton(
         block_table = block_table.contiguous()
     G = num_heads // num_kv_heads
 
-    key = ("paged_attention", G, num_kv_heads, block_size, num_splits)
-    plan = metadata.get(key) if metadata is not None else None
     if plan is None:
-        plan = _plan(query_start_loc, seq_lens, block_table, G, num_kv_heads, block_size, num_splits, metadata)
-        if metadata is not None:
-            metadata[key] = plan
-
+        host = torch.cat([query_start_loc.reshape(-1).to(torch.int64), seq_lens.to(torch.int64)]).tolist()  # host sync
+        plan = plan_paged_attention(check_offsets(host[: batch + 1]), np.asarray(host[batch + 1:], dtype=np.int64),
+                                    group_size=G, num_kv_heads=num_kv_heads, block_size=block_size,
+                                    table_width=block_table.shape[1], device=q.device, num_splits=num_splits)
+    elif num_splits is not None:
+        raise ValueError("num_splits is set when the plan is built (plan_paged_attention), not with a plan")
+    if (plan.batch, plan.group_size, plan.num_kv_heads, plan.block_size) != (batch, G, num_kv_heads, block_size):
+        raise ValueError(f"the plan is for {plan.batch} sequences, {plan.group_size} query heads per kv head, "
+                         f"{plan.num_kv_heads} kv heads, pages of {plan.block_size}; the call has {batch}, {G}, "
+                         f"{num_kv_heads}, {block_size}")
+    if plan.max_blocks > block_table.shape[1]:
+        raise ValueError(f"block_table has {block_table.shape[1]} columns, a sequence needs {plan.max_blocks}")
     if plan.num_tokens > num_tokens:
         raise ValueError(f"query_start_loc ends at {plan.num_tokens}, past the {num_tokens} rows of q")
     if out is None:
@@ -420,7 +448,7 @@ def paged_attention_triton(
     num_items = plan.work.shape[0]
     if num_items == 0:
         return out
-    block_d = max(16, _next_pow2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     on_gpu = q.is_cuda
     block_n, num_warps, num_stages = _launch_config(plan.block_r, block_d, on_gpu)
     splits = plan.num_splits

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mambaserve.ops.varlen import conv_token_blocks
+from mambaserve.ops.varlen import TokenBlocks, conv_token_blocks, read_offsets
 
 # Fixed launch configs (tuned offline with benchmarks/kernels.py; never autotuned, since the
 # kernels write conv states in place).
@@ -151,7 +151,7 @@ def causal_conv1d_triton(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
-    metadata: dict | None = None,
+    blocks: TokenBlocks | None = None,
 ) -> torch.Tensor:
     """Varlen causal conv1d over a packed prefill/decode batch, one launch.
 
@@ -159,7 +159,8 @@ def causal_conv1d_triton(
     weight: (dim, width); bias: (dim,) or None; conv_states: (num_slots, width - 1, dim),
     contiguous along dim, updated in place; query_start_loc: (batch + 1,) int32;
     state_indices: (batch,) int32, -1 = padding; has_initial_state: (batch,) bool.
-    metadata: the per-step dict (token blocks are cached in it); None computes them.
+    blocks: the step's token blocks (`varlen.conv_token_blocks` with CONV_CONFIG's block_t);
+    None builds them from a device read of query_start_loc (a host sync).
     Returns (num_tokens, dim) in x.dtype. Semantics: `reference.causal_conv1d`. Raises
     ValueError when query_start_loc decreases, starts below 0 or ends past x's rows.
     """
@@ -169,7 +170,11 @@ def causal_conv1d_triton(
         raise ValueError("x must have stride 1 along dim")
     _check_states(conv_states)
     cfg = CONV_CONFIG
-    blocks = conv_token_blocks(query_start_loc, cfg["block_t"], metadata)
+    if blocks is None:
+        blocks = conv_token_blocks(read_offsets(query_start_loc), cfg["block_t"], x.device)
+    if (blocks.block_t, blocks.batch) != (cfg["block_t"], state_indices.shape[0]):
+        raise ValueError(f"token blocks of {blocks.block_t} for {blocks.batch} sequences; the call has "
+                         f"{state_indices.shape[0]} sequences and the kernel blocks of {cfg['block_t']}")
     if blocks.num_tokens > num_tokens:
         raise ValueError(f"query_start_loc ends at {blocks.num_tokens}, past the {num_tokens} rows of x")
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)

@@ -14,7 +14,7 @@ a decode costs one step of each of its programs.
 `selective_scan_update_triton` is the same kernel for a decode-only batch (row b is sequence b,
 always with a state): no host metadata and no host sync, so it is safe inside CUDA graphs, and
 so is the varlen kernel itself (its loop bounds are read on the device; its launcher checks
-the offsets on the host, from the step's host copy when the metadata holds one).
+the offsets on the host, from the step's host copy when it is given one).
 
 A state index of -1 marks padding: its rows are computed from a zero state and no slot is read
 or written. Math and semantics: `mambaserve.ops.reference.selective_scan`. This module knows
@@ -23,12 +23,13 @@ nothing about models or the engine.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from mambaserve.ops.state_update import _softplus
-from mambaserve.ops.varlen import query_start_loc_host
+from mambaserve.ops.varlen import read_offsets
 
 # Fixed launch configs (never autotuned: the kernel writes live state in place). chunk: 0 walks
 # the tokens one by one; c > 0 takes c tokens at a time (one load of each operand, then a
@@ -176,7 +177,7 @@ def selective_scan_triton(
     state_indices: torch.Tensor,
     has_initial_state: torch.Tensor,
     dt_softplus: bool = True,
-    metadata: dict | None = None,
+    query_start_loc_host: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Mamba-1 selective scan over a packed prefill/decode batch, one launch.
 
@@ -185,14 +186,16 @@ def selective_scan_triton(
     dim) or None; ssm_states: (num_slots, dim, dstate), float32/bfloat16/float16, read where
     has_initial_state and overwritten with each sequence's final state (float32 arithmetic);
     query_start_loc: (batch + 1,) int32; state_indices: (batch,) int32, -1 = padding;
-    has_initial_state: (batch,) bool. metadata: the per-step dict, whose host copy of the
-    offsets (`varlen.QSL_HOST_LIST`) spares a device read. Returns y (num_tokens, dim) in
+    has_initial_state: (batch,) bool. query_start_loc_host: the step's checked host copy of
+    query_start_loc (`varlen.check_offsets`), which spares a device read (a host sync). Returns y (num_tokens, dim) in
     x.dtype; rows past query_start_loc[-1] are left unwritten. Semantics:
     `reference.selective_scan`. Raises ValueError when query_start_loc starts below 0,
     decreases or ends past x's rows (the kernel would index out of bounds).
     """
-    qsl = query_start_loc_host(query_start_loc, metadata)  # checked once per step (cached)
-    if qsl.size and qsl[-1] > x.shape[0]:
+    qsl = read_offsets(query_start_loc) if query_start_loc_host is None else query_start_loc_host
+    if qsl.shape != (state_indices.shape[0] + 1,):
+        raise ValueError(f"query_start_loc_host has {qsl.size} offsets for {state_indices.shape[0]} sequences")
+    if qsl[-1] > x.shape[0]:
         raise ValueError(f"query_start_loc ends at {int(qsl[-1])}, past the {x.shape[0]} rows of x")
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     return _launch(True, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,

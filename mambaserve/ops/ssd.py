@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mambaserve.ops.state_update import _process_dt, dt_limit_args
-from mambaserve.ops.varlen import ssd_chunks
+from mambaserve.ops.varlen import SsdChunks, read_offsets, ssd_chunks
 
 # Fixed launch configs; block sizes are capped by the problem's own sizes at launch.
 CHUNK_STATE_CONFIG = {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
@@ -347,7 +347,7 @@ def mamba_chunk_scan_triton(
     has_initial_state: torch.Tensor,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
-    metadata: dict | None = None,
+    chunks: SsdChunks | None = None,
 ) -> torch.Tensor:
     """The SSD chunked scan of a packed batch, reading and writing the SSM state pool.
 
@@ -357,7 +357,8 @@ def mamba_chunk_scan_triton(
     has_initial_state and overwritten with each sequence's final state; query_start_loc:
     (batch + 1,) int32; state_indices: (batch,) int32, -1 = padding; has_initial_state:
     (batch,) bool. All activations may have any strides (views into in_proj's output).
-    metadata: the per-step dict (chunk boundaries are cached in it); None computes them.
+    chunks: the step's chunk boundaries (`varlen.ssd_chunks` for this chunk_size); None builds
+    them from a device read of query_start_loc (a host sync).
     Returns y (num_tokens, nheads, headdim) in x.dtype. Float32 accumulation throughout; the
     matrix products take bfloat16/float16 operands when x is in that dtype (float32 x: exact
     float32 products). Semantics: `reference.mamba_chunk_scan`. Raises ValueError for x
@@ -370,7 +371,11 @@ def mamba_chunk_scan_triton(
     dev = x.device
     if x.dtype not in _DOT_DTYPES:
         raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    chunks = ssd_chunks(query_start_loc, chunk_size, metadata)
+    if chunks is None:
+        chunks = ssd_chunks(read_offsets(query_start_loc), chunk_size, dev)
+    if (chunks.chunk_size, chunks.batch) != (chunk_size, batch):
+        raise ValueError(f"SSD chunks of {chunks.chunk_size} for {chunks.batch} sequences; the call has "
+                         f"chunk_size {chunk_size} and {batch} sequences")
     if chunks.num_tokens > num_tokens:
         raise ValueError(f"query_start_loc ends at {chunks.num_tokens}, past the {num_tokens} rows of x")
     nc = chunks.num_chunks

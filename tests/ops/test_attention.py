@@ -12,7 +12,8 @@ import torch
 
 from mambaserve import ops
 from mambaserve.ops import reference
-from mambaserve.ops.attention import paged_attention_triton, reshape_and_cache_triton
+from mambaserve.ops.attention import paged_attention_triton, plan_paged_attention, reshape_and_cache_triton
+from mambaserve.ops.varlen import check_offsets
 from tests.conftest import HAS_CUDA, nan_empty, rel_err, tolerance
 
 # Triton runs on CUDA tensors when there is a GPU, else on CPU tensors through the interpreter.
@@ -29,7 +30,7 @@ def _mixed_specs(block_size):
 
 def _make_batch(specs, block_size, num_kv_heads, G, head_dim, dtype, device, spare_blocks=7):
     """Random q, a cache whose used blocks are scattered by a permuted block table, and the
-    step's metadata. The new tokens' K/V are already in the cache (the caller's order)."""
+    step's batch tensors. The new tokens' K/V are already in the cache (the caller's order)."""
     q_lens = [n for n, _ in specs]
     seq_lens = [n + p for n, p in specs]
     max_blocks = max(-(-s // block_size) for s in seq_lens) + 1  # a spare column, unused
@@ -91,24 +92,33 @@ def test_paged_attention_head_dims(head_dim):
     assert rel_err(out, _ref(q, kc, vc, bt, sl, qsl, 0.1)) < tolerance(torch.float32)
 
 
-def test_paged_attention_metadata_is_computed_once_and_shared():
+def _plan(q, kc, bt, sl, qsl, **kw):
+    """The step's plan from host copies of the batch bounds, as the forward context builds it."""
+    return plan_paged_attention(check_offsets(qsl.tolist()), sl.cpu().numpy(), group_size=q.shape[1] // kc.shape[2],
+                                num_kv_heads=kc.shape[2], block_size=kc.shape[1], table_width=bt.shape[1],
+                                device=q.device, **kw)
+
+
+def test_paged_attention_takes_the_step_plan():
+    """One plan from host copies serves every layer of a step; it gives what a plan built from
+    a device read gives; a plan of another batch or head grouping is refused."""
     specs = _mixed_specs(16)
     q, kc, vc, bt, sl, qsl = _make_batch(specs, 16, 2, 2, 32, torch.float32, DEVICE)
-    metadata = {}
+    plan = _plan(q, kc, bt, sl, qsl)
     with ops.backend("triton"):
-        a = ops.paged_attention(q, kc, vc, bt, sl, qsl, 0.2, metadata)
-        assert len(metadata) == 1
+        a = ops.paged_attention(q, kc, vc, bt, sl, qsl, 0.2, plan)
         # a second "layer" of the same step: other q and cache contents, the same plan
         q2, kc2, vc2 = torch.randn_like(q), torch.randn_like(kc), torch.randn_like(vc)
-        b = ops.paged_attention(q2, kc2, vc2, bt, sl, qsl, 0.2, metadata)
-        assert len(metadata) == 1
+        b = ops.paged_attention(q2, kc2, vc2, bt, sl, qsl, 0.2, plan)
+        c = ops.paged_attention(q, kc, vc, bt, sl, qsl, 0.2)  # no plan: built from a device read
     assert rel_err(a, _ref(q, kc, vc, bt, sl, qsl, 0.2)) < tolerance(torch.float32)
     assert rel_err(b, _ref(q2, kc2, vc2, bt, sl, qsl, 0.2)) < tolerance(torch.float32)
-    # host copies of the batch bounds (the engine has them) give the same plan without a sync
-    host = {"query_start_loc_host": qsl.tolist(), "seq_lens_host": sl.tolist()}
-    with ops.backend("triton"):
-        c = ops.paged_attention(q, kc, vc, bt, sl, qsl, 0.2, host)
     assert torch.equal(a, c)
+    fewer = _plan(q, kc, bt[:-1], sl[:-1], qsl[:-1])
+    with ops.backend("triton"), pytest.raises(ValueError, match="plan is for"):
+        ops.paged_attention(q, kc, vc, bt, sl, qsl, 0.2, fewer)
+    with ops.backend("triton"), pytest.raises(ValueError, match="plan is for"):  # G = 1, not 2
+        ops.paged_attention(q[:, :2], kc, vc, bt, sl, qsl, 0.2, plan)
 
 
 def test_paged_attention_empty_sequences_and_padding_rows():
@@ -181,7 +191,7 @@ def test_paged_attention_granite_shapes_gpu(block_size):
     specs = [(1, 4095), (1000, 700), (1, 1), (1, 2047), (300, 0)] + [(1, int(torch.randint(1, 3000, ())))] * 4
     q, kc, vc, bt, sl, qsl = _make_batch(specs, block_size, 4, 3, 128, torch.bfloat16, "cuda")
     out = torch.full_like(q, float("nan"))
-    paged_attention_triton(q, kc, vc, bt, sl, qsl, 0.0078125, {}, out=out)
+    paged_attention_triton(q, kc, vc, bt, sl, qsl, 0.0078125, out=out)
     assert rel_err(out, _ref(q, kc, vc, bt, sl, qsl, 0.0078125)) < tolerance(torch.bfloat16)
 
 
@@ -191,10 +201,9 @@ def test_paged_attention_decode_split_gpu(batch):
     """Decode-only batches at context 4096: the flash-decoding split path."""
     specs = [(1, 4095)] * batch
     q, kc, vc, bt, sl, qsl = _make_batch(specs, 16, 4, 3, 128, torch.bfloat16, "cuda")
-    metadata = {}
-    out = paged_attention_triton(q, kc, vc, bt, sl, qsl, 0.0078125, metadata)
-    (plan,) = metadata.values()
+    plan = _plan(q, kc, bt, sl, qsl)
     assert plan.num_splits > 1
+    out = paged_attention_triton(q, kc, vc, bt, sl, qsl, 0.0078125, plan)
     assert rel_err(out, _ref(q, kc, vc, bt, sl, qsl, 0.0078125)) < tolerance(torch.bfloat16)
 
 

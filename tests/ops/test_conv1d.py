@@ -4,16 +4,17 @@ import pytest
 import torch
 
 from mambaserve import ops
+from mambaserve.ops import conv1d, varlen
 from mambaserve.ops import reference as ref
 from tests.conftest import rel_err, tolerance
 from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, poison_empty, random_slots  # noqa: F401
 
 
-def _run_both(x, w, b, states, qsl, idx, has, activation, metadata=None):
+def _run_both(x, w, b, states, qsl, idx, has, activation, blocks=None):
     """(ours, our states, reference, reference states) from the same inputs."""
     ours_states, ref_states = states.clone(), states.clone()
     with ops.backend("triton"):
-        out = ops.causal_conv1d(x, w, b, ours_states, qsl, idx, has, activation, metadata=metadata)
+        out = ops.causal_conv1d(x, w, b, ours_states, qsl, idx, has, activation, blocks=blocks)
     expected = ref.causal_conv1d(x, w, b, ref_states, qsl, idx, has, activation)
     return out, ours_states, expected, ref_states
 
@@ -55,7 +56,9 @@ def test_causal_conv1d_mixed_batch(device, dtype, width, activation, with_bias, 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_causal_conv1d_metadata_cached(device):
+def test_causal_conv1d_takes_the_step_plan(device):
+    """Token blocks built from the step's host offsets give what blocks built from a device read
+    give; blocks of another batch or block size are refused."""
     dim, width = 40, 4
     qsl, T = packed([5, 1, 9], device)
     idx = torch.tensor([2, 0, 1], dtype=torch.int32, device=device)
@@ -63,18 +66,15 @@ def test_causal_conv1d_metadata_cached(device):
     x = torch.randn(T, dim, device=device)
     w = torch.randn(dim, width, device=device)
     states = torch.randn(3, width - 1, dim, device=device)
-    metadata = {}
-    first = _run_both(x, w, None, states, qsl, idx, has, "silu", metadata)
-    assert any(k[0] == "conv1d_token_blocks" for k in metadata if isinstance(k, tuple))
-    cached = dict(metadata)
-    second = _run_both(x, w, None, states, qsl, idx, has, "silu", metadata)
-    assert metadata.keys() == cached.keys() and all(metadata[k] is cached[k] for k in cached)
+    first = _run_both(x, w, None, states, qsl, idx, has, "silu")
+    block_t = conv1d.CONV_CONFIG["block_t"]
+    blocks = varlen.conv_token_blocks(varlen.check_offsets([0, 5, 6, 15]), block_t, device)
+    second = _run_both(x, w, None, states, qsl, idx, has, "silu", blocks)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-    # offsets the engine already holds on the host are used as they are (no device read)
-    third = _run_both(x, w, None, states, qsl, idx, has, "silu", {"query_start_loc_host": [0, 5, 6, 15]})
-    assert torch.equal(first[0], third[0]) and torch.equal(first[1], third[1])
-    with pytest.raises(ValueError):
-        _run_both(x, w, None, states, qsl, idx, has, "silu", {"query_start_loc_host": [0, 5, 6]})
+    for other in (varlen.conv_token_blocks(varlen.check_offsets([0, 5, 6]), block_t, device),
+                  varlen.conv_token_blocks(varlen.check_offsets([0, 5, 6, 15]), block_t // 2, device)):
+        with pytest.raises(ValueError, match="token blocks"):
+            _run_both(x, w, None, states, qsl, idx, has, "silu", other)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,11 +2,13 @@
 and the PyTorch reference against a float64 loop written here from the paper's recurrence
 (Gu & Dao 2023, Algorithm 2), element by element in (channel, state)."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mambaserve import ops
+from mambaserve.ops import varlen
 from tests.conftest import rel_err, tolerance
 from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, poison_empty, random_slots  # noqa: F401
 
@@ -164,9 +166,14 @@ def test_selective_scan_bad_offsets_are_value_errors(impl, offsets):
     idx, has = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([False, False])
     with ops.backend(impl), pytest.raises(ValueError, match="query_start_loc"):
         ops.selective_scan(x, dt, A, B, C, D, z, dt_bias, torch.zeros(2, 8, 4), qsl, idx, has)
-    with ops.backend(impl), pytest.raises(ValueError, match="query_start_loc"):  # the step's host copy
+    # the step's host copy: checked where it is made (check_offsets), its end and size by the op
+    with ops.backend(impl), pytest.raises(ValueError, match="query_start_loc"):
         ops.selective_scan(x, dt, A, B, C, D, z, dt_bias, torch.zeros(2, 8, 4), qsl, idx, has,
-                           metadata={"query_start_loc_host": offsets})
+                           query_start_loc_host=varlen.check_offsets(offsets))
+    if impl == "triton":
+        with ops.backend(impl), pytest.raises(ValueError, match="query_start_loc_host has 2 offsets"):
+            ops.selective_scan(x, dt, A, B, C, D, z, dt_bias, torch.zeros(2, 8, 4), qsl, idx, has,
+                               query_start_loc_host=np.array([0, 2]))
 
 
 @gpu_only

@@ -7,7 +7,7 @@ import torch
 
 from mambaserve import ops
 from mambaserve.ops import reference as ref
-from mambaserve.ops import ssd
+from mambaserve.ops import ssd, varlen
 from tests.conftest import rel_err, tolerance
 from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, poison_empty, random_slots  # noqa: F401
 
@@ -24,11 +24,11 @@ def _inputs(T, H, P, G, N, dtype, device):
 
 
 def _check(x, dt, A, B, C, Q, D, z, dt_bias, states, qsl, idx, has, dt_softplus=True,
-           dt_limit=(0.0, math.inf), metadata=None):
+           dt_limit=(0.0, math.inf), chunks=None):
     ours, expected_states = states.clone(), states.clone()
     with ops.backend("triton"):
         y = ops.mamba_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, ours, qsl, idx, has,
-                                 dt_softplus=dt_softplus, dt_limit=dt_limit, metadata=metadata)
+                                 dt_softplus=dt_softplus, dt_limit=dt_limit, chunks=chunks)
     expected = ref.mamba_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, expected_states, qsl, idx, has,
                                     dt_softplus=dt_softplus, dt_limit=dt_limit)
     assert rel_err(y, expected) < tolerance(x.dtype)
@@ -125,7 +125,8 @@ def test_mamba_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediate
 @pytest.mark.parametrize("device", DEVICES)
 def test_mamba_chunk_scan_split_prompt_continues(device):
     """A prompt scanned in two calls (the second from the state the first wrote) gives the
-    output of one call, and the metadata dict is filled once per query_start_loc."""
+    output of one call; chunks built from the host offsets give what a device read gives, and
+    chunks of another size or batch are refused."""
     H, P, N, Q, L1, L2 = 2, 16, 16, 8, 11, 14
     x, dt, B, C, z = _inputs(L1 + L2, H, P, 1, N, torch.float32, device)
     A = -torch.rand(H, device=device) - 0.1
@@ -135,11 +136,14 @@ def test_mamba_chunk_scan_split_prompt_continues(device):
     whole, _ = packed([L1 + L2], device)
     first, _ = packed([L1], device)
     second, _ = packed([L2], device)
-    metadata = {}
+    chunks = varlen.ssd_chunks(varlen.check_offsets([0, L1 + L2]), Q, device)
     with ops.backend("triton"):
-        y = ops.mamba_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no,
-                                 metadata=metadata)
-        assert ("ssd_chunks", Q) in metadata
+        y = ops.mamba_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no, chunks=chunks)
+        assert torch.equal(y, ops.mamba_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no))
+        for other in (varlen.ssd_chunks(varlen.check_offsets([0, L1 + L2]), Q // 2, device),
+                      varlen.ssd_chunks(varlen.check_offsets([0, L1, L1 + L2]), Q, device)):
+            with pytest.raises(ValueError, match="SSD chunks"):
+                ops.mamba_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no, chunks=other)
         s = states.clone()
         y1 = ops.mamba_chunk_scan(x[:L1], dt[:L1], A, B[:L1], C[:L1], Q, None, z[:L1], None, s, first, idx, no)
         y2 = ops.mamba_chunk_scan(x[L1:], dt[L1:], A, B[L1:], C[L1:], Q, None, z[L1:], None, s, second, idx, yes)
