@@ -242,12 +242,12 @@ class Layer:
         return ops.causal_conv1d_update(self.xbc, self.conv_states, self.conv_w, self.conv_b, self.idx, "silu")
 
     def chunk_scan(self):
-        return ops.mamba_chunk_scan(self.x, self.dt, self.A, self.B, self.C, CHUNK, self.D, self.z,
+        return ops.ssd_chunk_scan(self.x, self.dt, self.A, self.B, self.C, CHUNK, self.D, self.z,
                                     self.dt_bias, self.ssm_states, self.qsl, self.idx, self.has,
                                     chunks=self.ctx.ssd_chunks(CHUNK))
 
     def state_update(self):
-        return ops.selective_state_update(self.ssm_states, self.x, self.dt, self.A, self.B, self.C, self.D,
+        return ops.ssd_state_update(self.ssm_states, self.x, self.dt, self.A, self.B, self.C, self.D,
                                           self.z, self.dt_bias, self.idx)
 
     def norm(self):
@@ -280,8 +280,8 @@ class Layer:
 
 
 # vLLM 0.33 Triton kernels on the H200 at these shapes, and our targets
-PREFILL_BASELINE_US = {"conv1d": 190.0, "mamba_chunk_scan": 810.0}
-PREFILL_TARGET_US = {"conv1d": 140.0, "mamba_chunk_scan": 500.0}
+PREFILL_BASELINE_US = {"conv1d": 190.0, "ssd_chunk_scan": 810.0}
+PREFILL_TARGET_US = {"conv1d": 140.0, "ssd_chunk_scan": 500.0}
 
 
 @register
@@ -296,9 +296,9 @@ def mamba_prefill_cases() -> list[Case]:
             baseline_us=PREFILL_BASELINE_US["conv1d"] if big else None,
             note="target: >= 70% of copy bandwidth" if big else "one launch for the whole batch"))
         cases.append(Case(
-            f"mamba_chunk_scan {name}", "ssd", layer.chunk_scan, layer.scan_bytes(), layer.scan_flops(),
-            target_us=PREFILL_TARGET_US["mamba_chunk_scan"] if big else None,
-            baseline_us=PREFILL_BASELINE_US["mamba_chunk_scan"] if big else None))
+            f"ssd_chunk_scan {name}", "ssd", layer.chunk_scan, layer.scan_bytes(), layer.scan_flops(),
+            target_us=PREFILL_TARGET_US["ssd_chunk_scan"] if big else None,
+            baseline_us=PREFILL_BASELINE_US["ssd_chunk_scan"] if big else None))
         cases.append(Case(f"rms_norm_gated {name}", "norm", layer.norm, layer.norm_bytes()))
     return cases
 
@@ -319,7 +319,7 @@ def mamba_decode_cases() -> list[Case]:
             note="the mixed-batch kernel on a decode-only batch"))
         ssu_bytes = layer.state_update_bytes()
         cases.append(Case(
-            f"selective_state_update decode {batch}", "state_update", layer.state_update, ssu_bytes,
+            f"ssd_state_update decode {batch}", "state_update", layer.state_update, ssu_bytes,
             5 * batch * NHEADS * HEADDIM * DSTATE,
             target_us={1: 5.9, 256: 210.0}.get(batch), baseline_us={1: 5.9, 256: 210.0}.get(batch),
             note="target: >= 85% of copy bandwidth" if batch == 256 else ""))
@@ -385,25 +385,25 @@ def mamba1_cases() -> list[Case]:
 # --- offline tuning --------------------------------------------------------------------------
 
 SWEEPS = [  # (case name, module, config attribute, variants); the first variant is the default
-    ("mamba_chunk_scan prefill 31500", ssd_mod, "SCAN_CONFIG", [
+    ("ssd_chunk_scan prefill 31500", ssd_mod, "SCAN_CONFIG", [
         {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2},
         {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 2},
         {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 3},
         {"block_m": 128, "block_k": 64, "block_p": 64, "num_warps": 8, "num_stages": 2},
         {"block_m": 128, "block_k": 32, "block_p": 64, "num_warps": 8, "num_stages": 3},
         {"block_m": 64, "block_k": 16, "block_p": 64, "num_warps": 4, "num_stages": 3}]),
-    ("mamba_chunk_scan prefill 31500", ssd_mod, "CB_FP32", [True, False]),
-    ("mamba_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATE_CONFIG", [
+    ("ssd_chunk_scan prefill 31500", ssd_mod, "CB_FP32", [True, False]),
+    ("ssd_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATE_CONFIG", [
         {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
         {"block_k": 32, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
         {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
         {"block_k": 64, "block_p": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}]),
-    ("mamba_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATES_FP32", [True, False]),
+    ("ssd_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATES_FP32", [True, False]),
     ("causal_conv1d prefill 31500", conv1d_mod, "CONV_CONFIG", [
         {"block_t": 32, "block_d": 128, "num_warps": 4}, {"block_t": 64, "block_d": 128, "num_warps": 4},
         {"block_t": 16, "block_d": 256, "num_warps": 4}, {"block_t": 16, "block_d": 128, "num_warps": 2},
         {"block_t": 64, "block_d": 256, "num_warps": 8}, {"block_t": 32, "block_d": 256, "num_warps": 8}]),
-    ("selective_state_update decode 256", state_update_mod, "STATE_UPDATE_CONFIG", [
+    ("ssd_state_update decode 256", state_update_mod, "STATE_UPDATE_CONFIG", [
         {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 2}, {"block_p": 4, "num_warps": 4},
         {"block_p": 32, "num_warps": 4}]),
     ("selective_scan prefill 2048", mamba1_scan_mod, "SCAN_CONFIG", [

@@ -31,10 +31,11 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mambaserve.ops import attention as attention_mod  # noqa: E402
-from mambaserve.ops.attention import paged_attention_triton, plan_paged_attention, reshape_and_cache_triton  # noqa: E402,E501
-from mambaserve.ops.varlen import check_offsets  # noqa: E402
+from mambaserve.ops import fused_moe, paged_attention, plan_paged_attention, reshape_and_cache  # noqa: E402
 from mambaserve.ops import moe as moe_mod  # noqa: E402
-from mambaserve.ops.moe import _HAS_GROUPED_MM, fused_moe_triton, router_topk_triton, topk_softmax_triton  # noqa: E402
+from mambaserve.ops import router_topk, topk_softmax  # noqa: E402
+from mambaserve.ops.moe import _HAS_GROUPED_MM  # noqa: E402
+from mambaserve.ops.varlen import check_offsets  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 12, 4, 128, 16
 SCALE = 0.0078125
@@ -141,15 +142,15 @@ def bench_attention_configs(name, specs, ceil, configs):
     flops, nbytes = attention_cost(specs)
     floor, bound = floor_ms(flops, nbytes, ceil)
     plan = attention_plan(table, sl, qsl)
-    base = paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, plan)
+    base = paged_attention(q, kc, vc, table, sl, qsl, SCALE, plan)
     default = attention_mod._launch_config
     rows = []
     for cfg in configs:
         attention_mod._launch_config = lambda block_r, block_d, on_gpu, cfg=cfg: cfg
         try:
-            out = paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, plan)
+            out = paged_attention(q, kc, vc, table, sl, qsl, SCALE, plan)
             err = float((out.float() - base.float()).norm() / base.float().norm())
-            t = bench(lambda: paged_attention_triton(q, kc, vc, table, sl, qsl, SCALE, plan, out=out))
+            t = bench(lambda: paged_attention(q, kc, vc, table, sl, qsl, SCALE, plan, out=out))
             rows.append({"case": name, "variant": f"BLOCK_N,warps,stages={cfg}", "flops": flops, "bytes": nbytes,
                          "floor_ms": floor, "bound": bound, "eager_ms": t, "eager_fraction_of_floor": floor / t,
                          "TFLOPs": flops / t / 1e9, "rel_diff_vs_default": err})
@@ -167,7 +168,7 @@ def bench_attention(name, specs, ceil, copies, graph: bool, extra_splits=()):
         plan = attention_plan(table, sl, qsl, num_splits=forced)
         outs = [torch.empty_like(s[0]) for s in sets]
         calls = [
-            (lambda s=s, o=o: paged_attention_triton(s[0], s[1], s[2], table, sl, qsl, SCALE, plan, out=o))
+            (lambda s=s, o=o: paged_attention(s[0], s[1], s[2], table, sl, qsl, SCALE, plan, out=o))
             for s, o in zip(sets, outs)
         ]
         t_eager = bench(calls[0])
@@ -195,7 +196,7 @@ def bench_reshape_and_cache(ceil):
     vc = torch.randn_like(kc)
     slots = torch.randperm(nb * BLOCK, device=DEV)[:n]
     nbytes = 2 * 2 * k.numel() * 2 + slots.numel() * 8
-    t = bench(lambda: reshape_and_cache_triton(k, v, kc, vc, slots))
+    t = bench(lambda: reshape_and_cache(k, v, kc, vc, slots))
     floor, bound = floor_ms(0, nbytes, ceil)
     return [{"case": "reshape_and_cache 31500 tokens", "bytes": nbytes, "floor_ms": floor, "bound": bound,
              "eager_ms": t, "eager_fraction_of_floor": floor / t, "GBps": nbytes / t / 1e6}]
@@ -229,7 +230,7 @@ def bench_moe(num_tokens, ceil, copies, graph: bool):
     rows = []
     for impl in impls:
         outs = [torch.empty_like(s[0]) for s in sets]
-        calls = [(lambda s=s, o=o, impl=impl: fused_moe_triton(*s, impl=impl, out=o)) for s, o in zip(sets, outs)]
+        calls = [(lambda s=s, o=o, impl=impl: fused_moe(*s, impl=impl, out=o)) for s, o in zip(sets, outs)]
         t_eager = bench(calls[0])
         row = {"case": f"fused_moe {num_tokens} tokens", "variant": impl, "tokens": num_tokens,
                "experts_hit": experts_hit, "flops": flops, "bytes": nbytes, "floor_ms": floor, "bound": bound,
@@ -265,7 +266,7 @@ def sweep_moe_direct(ceil, configs=((16, 256, 16, 256), (8, 512, 16, 512), (32, 
         for cfg in configs:
             moe_mod._direct_config = lambda on_gpu, cfg=cfg: cfg
             outs = [torch.empty_like(s_[0]) for s_ in sets]
-            calls = [(lambda s_=s_, o=o: fused_moe_triton(*s_, impl="direct", out=o)) for s_, o in zip(sets, outs)]
+            calls = [(lambda s_=s_, o=o: fused_moe(*s_, impl="direct", out=o)) for s_, o in zip(sets, outs)]
             t = time_graph(calls)
             rows.append({"case": "moe direct 1 token (6 + 2 shared pairs)", "variant": f"tiles {cfg}", "bytes": nbytes,
                          "floor_ms": floor, "bound": "bandwidth", "eager_ms": bench(calls[0]),
@@ -275,8 +276,8 @@ def sweep_moe_direct(ceil, configs=((16, 256, 16, 256), (8, 512, 16, 512), (32, 
         moe_mod._direct_config = original
     xs = [torch.randn(1, HIDDEN, device=DEV, dtype=DT) for _ in range(8)]
     rws = [torch.randn(EXPERTS, HIDDEN, device=DEV, dtype=DT) for _ in range(8)]
-    fused = [(lambda x=x, w=w: router_topk_triton(x, w, TOP_K, DT, 2)) for x, w in zip(xs, rws)]
-    unfused = [(lambda x=x, w=w: topk_softmax_triton(torch.nn.functional.linear(x, w), TOP_K, DT, 2)) for x, w in zip(xs, rws)]
+    fused = [(lambda x=x, w=w: router_topk(x, w, TOP_K, DT, 2)) for x, w in zip(xs, rws)]
+    unfused = [(lambda x=x, w=w: topk_softmax(torch.nn.functional.linear(x, w), TOP_K, DT, 2)) for x, w in zip(xs, rws)]
     rb = EXPERTS * HIDDEN * 2
     for name, calls in (("router_topk fused", fused), ("linear + topk_softmax", unfused)):
         t = time_graph(calls)

@@ -160,7 +160,8 @@ class ForwardContext:
         """
         n = len(query_lens)
         if not (len(seq_lens) == len(state_indices) == len(has_initial_state) == n):
-            raise ValueError("query_lens, seq_lens, state_indices and has_initial_state must have one entry per sequence")
+            raise ValueError("query_lens, seq_lens, state_indices and has_initial_state must have one entry per "
+                             "sequence")
         if any(q < 1 for q in query_lens) or any(s < q for q, s in zip(query_lens, seq_lens)):
             raise ValueError("every sequence needs at least one new token and seq_len >= query_len")
         num_decodes = 0

@@ -1,6 +1,6 @@
 """Split points for piecewise CUDA graphs.
 
-A layer routes the part of its work that depends on per-step host metadata (the Mamba mixer's
+A layer routes the part of its work that depends on the step's launch plans (the Mamba mixer's
 conv + scan, attention's cache write + paged attention) through `split_op`. Normally that just
 calls the function. While the engine's piecewise graph runner captures a forward, it installs a
 recorder: each split op then ends the current CUDA graph, is recorded as an eager "hole" to run

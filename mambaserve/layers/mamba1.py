@@ -8,7 +8,7 @@ D skip and the silu(z) gate; out_proj. Plain Mamba-1 has no normalisation inside
 Jamba's (Lieber et al. 2024, arXiv 2403.19887; transformers' `JambaMambaMixer`) adds RMSNorms
 on the low-rank dt (before dt_proj), on B and on C, right after x_proj (`dt_bc_norm_eps`).
 
-A decode-only batch runs the one-step ops (conv update, scan update: no host metadata, safe in
+A decode-only batch runs the one-step ops (conv update, scan update: no launch plan, safe in
 CUDA graphs); any other batch (prefills, chunks, and decodes beside them) runs the varlen conv
 and the varlen scan, whose decode rows are sequences of length 1. The state-dependent core
 (conv, x_proj, dt_proj, scan) is one split op: a hole of the piecewise CUDA graphs, as in Mamba2.

@@ -6,7 +6,7 @@ Falcon-H1's variants are options: no norm at all (`gated_norm=False`: y * silu(z
 applied inside the scan kernels), the norm before the gate (`norm_before_gate=True`:
 norm(y) * silu(z)), and an out_proj bias of its own (`out_proj_bias`).
 A mixed batch of prefills and decodes goes through one `causal_conv1d` and one
-`mamba_chunk_scan` call (no split); a decode-only batch uses the one-step update ops.
+`ssd_chunk_scan` call (no split); a decode-only batch uses the one-step update ops.
 
 Parameter names and shapes follow the Hugging Face checkpoints (`in_proj`, `conv1d.weight`
 (conv_dim, 1, width), `dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`). The layer reads its
@@ -168,7 +168,7 @@ class Mamba2Mixer(nn.Module):
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         xBC = ops.causal_conv1d_update(xBC, conv_states, weight, self.conv1d.bias, state_indices)
         x, B, C = self._split_xbc(xBC)
-        return ops.selective_state_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, z, self.dt_bias,
+        return ops.ssd_state_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, z, self.dt_bias,
                                           state_indices, dt_softplus=True, dt_limit=self.dt_limit)
 
     def _prefill_rows(self, xBC, dt, z, ctx: ForwardContext) -> torch.Tensor:
@@ -178,6 +178,6 @@ class Mamba2Mixer(nn.Module):
         xBC = ops.causal_conv1d(xBC, weight, self.conv1d.bias, conv_states, ctx.query_start_loc,
                                 ctx.state_indices, ctx.has_initial_state, blocks=ctx.conv_blocks())
         x, B, C = self._split_xbc(xBC)
-        return ops.mamba_chunk_scan(x, dt, self.decay_rates(), B, C, self.chunk_size, self.D, z, self.dt_bias,
+        return ops.ssd_chunk_scan(x, dt, self.decay_rates(), B, C, self.chunk_size, self.D, z, self.dt_bias,
                                     ssm_states, ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
                                     dt_softplus=True, dt_limit=self.dt_limit, chunks=ctx.ssd_chunks(self.chunk_size))

@@ -1,8 +1,9 @@
-"""Triton paged attention: write K/V into the paged cache, and attend over it.
+"""Paged attention: ops `reshape_and_cache` (write K/V into the paged cache) and
+`paged_attention` (attend over it), their Triton kernels, launchers and the work-list plan.
 
-`reshape_and_cache_triton` copies this step's keys and values into their cache slots.
-`paged_attention_triton` runs one kernel over a packed batch that mixes prefill chunks (causal
-over the cached prefix plus the new tokens) and decodes, reading K/V through block tables.
+`reshape_and_cache` copies this step's keys and values into their cache slots.
+`paged_attention` runs one kernel over a packed batch that mixes prefill chunks (causal over
+the cached prefix plus the new tokens) and decodes, reading K/V through block tables.
 
 How the work is split (FlashAttention-2, Dao 2023, for the tiling and the online softmax;
 flash-decoding for the split over the context):
@@ -15,10 +16,12 @@ flash-decoding for the split over the context):
   running max and sum, and a second small kernel combines them.
 - The list of work items (`AttentionPlan`) is built on the host from the step's host copies
   of query_start_loc and seq_lens by `plan_paged_attention`, once per step (the forward
-  context does it) and passed by every attention layer of the step. Items are ordered longest context first so that the causal
-  tail of a long prefill does not run alone at the end.
+  context does it) and passed by every attention layer of the step. Items are ordered
+  longest context first so that the causal tail of a long prefill does not run alone at the
+  end.
 
-This module knows nothing about models or the engine; the math is `reference.paged_attention`.
+This module knows nothing about models or the engine; the math is `reference.paged_attention`
+and `reference.reshape_and_cache`.
 """
 
 from __future__ import annotations
@@ -28,20 +31,15 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
+from mambaserve.ops import reference
+from mambaserve.ops.common import check, next_power_of_2
+from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.varlen import check_offsets
-
-__all__ = ["reshape_and_cache_triton", "paged_attention_triton", "plan_paged_attention", "AttentionPlan"]
 
 # Below this many programs in the main grid, the context is split (flash-decoding).
 _MIN_TOKENS_PER_SPLIT = 128
 _MAX_SPLITS = 64
-
-
-def next_power_of_2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 def _num_sms(device: torch.device) -> int:
@@ -81,35 +79,37 @@ def _reshape_and_cache_kernel(
     tl.store(v_cache_ptr + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def reshape_and_cache_triton(
+def reshape_and_cache(
     k: torch.Tensor,
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Write new K/V rows into the paged cache by slot; slot -1 (padding) is skipped.
+    """Write this step's keys and values into the paged KV cache by slot (the attention layers
+    of every hybrid family); slot -1 (padding) is skipped, leaving the cache bit-identical.
 
-    k, v: (num_tokens, num_kv_heads, head_dim), any float dtype, head_dim stride 1 (a slice of
-    a fused qkv projection is fine); k_cache, v_cache: (num_blocks, block_size, num_kv_heads,
-    head_dim), head_dim stride 1, written in place (cast to the cache dtype);
+    k, v: (num_tokens, num_kv_heads, head_dim), any float dtype (a slice of a fused qkv
+    projection is fine); k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim),
+    written in place (cast to the cache dtype), head_dim stride 1 on the Triton path;
     slot_mapping: (num_tokens,) int32/int64, slot = block * block_size + offset.
     Math: `reference.reshape_and_cache`. Raises ValueError on bad shapes or strides.
     """
-    if k.dim() != 3 or v.shape != k.shape:
-        raise ValueError(f"k and v must be (num_tokens, num_kv_heads, head_dim), got {tuple(k.shape)}, {tuple(v.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
-        raise ValueError(f"caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), got {tuple(k_cache.shape)}")
-    if slot_mapping.shape != (k.shape[0],):
-        raise ValueError(f"slot_mapping must be ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
+    check(k.dim() == 3 and v.shape == k.shape,
+          lambda: f"k and v must be (num_tokens, num_kv_heads, head_dim), got {tuple(k.shape)}, {tuple(v.shape)}")
+    check(k_cache.dim() == 4 and k_cache.shape[2:] == k.shape[1:] and v_cache.shape == k_cache.shape,
+          lambda: f"caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), got {tuple(k_cache.shape)}")
+    check(slot_mapping.shape == (k.shape[0],),
+          lambda: f"slot_mapping must be ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
+    if not use_triton(k):
+        return reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+    check(k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "k_cache and v_cache must have stride 1 along head_dim")
     if k.shape[0] == 0:
         return
     if k.stride(2) != 1:
         k = k.contiguous()
     if v.stride(2) != 1:
         v = v.contiguous()
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache must have stride 1 along head_dim")
     num_tokens, num_kv_heads, head_dim = k.shape
     _reshape_and_cache_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
@@ -367,7 +367,7 @@ def plan_paged_attention(query_start_loc_host: np.ndarray, seq_lens_host: np.nda
                          block_size, max_blocks)
 
 
-def paged_attention_triton(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -380,71 +380,84 @@ def paged_attention_triton(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a packed prefill/decode batch over the paged KV cache, one kernel.
+    """Causal attention of a packed prefill/decode batch over the paged KV cache, one kernel
+    (the attention layers of every hybrid family; GQA: query head h reads kv head
+    h // (num_heads // num_kv_heads)).
 
-    q: (num_tokens, num_heads, head_dim) float16/bfloat16/float32, head_dim stride 1;
-    k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim), q's dtype, already
-    holding this step's keys, head_dim stride 1; any block_size >= 1 (keys are gathered one by one);
-    block_table: (batch, max_blocks_per_seq) int32; seq_lens: (batch,) int32, context length
-    after this step; query_start_loc: (batch + 1,) int32; scale: softmax scale.
-    plan: the step's `AttentionPlan` (`plan_paged_attention`, which the forward context builds
-    once per step); None builds it here from a device read of query_start_loc and seq_lens
-    (one host sync, not allowed inside a CUDA-graph capture). num_splits: force the number of
-    context splits when the plan is built here (tests); None chooses from the batch. out: optional
-    preallocated (num_tokens, num_heads, head_dim) result in q.dtype, head_dim stride 1.
-    Returns (num_tokens, num_heads, head_dim) in q.dtype; rows past query_start_loc[-1] are
-    left unwritten, as in the reference.
-    Math: softmax(scale * q k^T) v with the causal mask, in float32 (Attention Is All You
-    Need, section 3.2.1), online softmax as in FlashAttention-2; `reference.paged_attention`.
-    Raises ValueError on bad shapes, dtypes or strides, on query_start_loc that decreases or
-    ends past q's rows, and on seq_lens shorter than a sequence's new tokens or longer than its
-    block table row covers.
+    q: (num_tokens, num_heads, head_dim); k_cache, v_cache: (num_blocks, block_size,
+    num_kv_heads, head_dim) already holding this step's keys, any block_size >= 1 (keys are
+    gathered one by one); block_table: (batch, max_blocks_per_seq) int32; seq_lens: (batch,)
+    int32, context length after this step (cached prefix + new tokens); query_start_loc:
+    (batch + 1,) int32; scale: the softmax scale (the model's, e.g. Granite's
+    attention_multiplier). All on q's device.
+    plan: the step's work list (`ForwardContext.attention_plan`, or `plan_paged_attention`),
+    used by the kernel; None builds it from a device read of query_start_loc and seq_lens (one
+    host sync, never inside a CUDA-graph capture). num_splits: force the number of context
+    splits when the plan is built here (tests); None chooses from the batch. The reference
+    needs no plan. out: optional preallocated (num_tokens, num_heads, head_dim) result in
+    q.dtype, head_dim stride 1.
+    The Triton path takes q and caches of one float16/bfloat16/float32 dtype, caches with
+    head_dim stride 1. Returns (num_tokens, num_heads, head_dim) in q.dtype; rows past
+    query_start_loc[-1] are left unwritten.
+    Math: softmax(scale * q k^T) v with the causal mask, in float32 (Attention Is All You Need,
+    section 3.2.1), online softmax as in FlashAttention-2; `reference.paged_attention`.
+    Raises ValueError on bad shapes, devices, dtypes or strides, on query_start_loc that starts
+    below 0, decreases or ends past q's rows, on seq_lens shorter than a sequence's new tokens
+    or longer than its block table row covers, and on a plan of another batch or layout.
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError("q must be (num_tokens, num_heads, head_dim) and caches (num_blocks, block_size, num_kv_heads, head_dim)")
+    check(q.dim() == 3, lambda: f"q must be (num_tokens, num_heads, head_dim), got {tuple(q.shape)}")
+    check(k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == q.shape[2],
+          lambda: f"caches must be (num_blocks, block_size, num_kv_heads, {q.shape[2]}), got {tuple(k_cache.shape)}")
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(f"cache head_dim {cache_dim} vs q {head_dim}; num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and caches must share a float16/bfloat16/float32 dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        raise ValueError("k_cache and v_cache must have stride 1 along head_dim")
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check(num_heads % num_kv_heads == 0,
+          lambda: f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    check(block_size >= 1, lambda: f"block_size must be >= 1, got {block_size}")
+    check(query_start_loc.dim() == 1 and query_start_loc.numel() >= 1,
+          lambda: f"query_start_loc must be (batch + 1,), got {tuple(query_start_loc.shape)}")
     batch = query_start_loc.numel() - 1
-    if seq_lens.shape != (batch,) or block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"seq_lens must be ({batch},) and block_table ({batch}, max_blocks)")
-    others = (k_cache, v_cache, block_table, seq_lens, query_start_loc)
-    if any(t.device != q.device for t in others):
-        raise ValueError(f"all tensors must be on q's device {q.device}")
-    if num_splits is not None and not 1 <= num_splits <= 256:
-        raise ValueError(f"num_splits must be in [1, 256], got {num_splits}")
+    check(seq_lens.shape == (batch,) and block_table.dim() == 2 and block_table.shape[0] == batch,
+          lambda: f"seq_lens must be ({batch},) and block_table ({batch}, max_blocks)")
+    check(all(t.device == q.device for t in (k_cache, v_cache, block_table, seq_lens, query_start_loc)),
+          lambda: f"all tensors must be on q's device {q.device}")
+    check(num_splits is None or 1 <= num_splits <= 256, lambda: f"num_splits must be in [1, 256], got {num_splits}")
+    check(out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
+                          and out.device == q.device),
+          lambda: f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with stride 1 along head_dim")
+    if not use_triton(q):
+        result = reference.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+        if out is None:
+            return result
+        n = int(query_start_loc[-1])  # rows past it stay unwritten, as on the kernel path
+        out[:n].copy_(result[:n])
+        return out
+    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32) and k_cache.dtype == q.dtype
+          and v_cache.dtype == q.dtype,
+          lambda: f"q and caches must share a float16/bfloat16/float32 dtype, got {q.dtype}, {k_cache.dtype}, "
+                  f"{v_cache.dtype}")
+    check(k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "k_cache and v_cache must have stride 1 along head_dim")
     if q.stride(2) != 1:
         q = q.contiguous()
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     G = num_heads // num_kv_heads
-
     if plan is None:
         host = torch.cat([query_start_loc.reshape(-1).to(torch.int64), seq_lens.to(torch.int64)]).tolist()  # host sync
         plan = plan_paged_attention(check_offsets(host[: batch + 1]), np.asarray(host[batch + 1:], dtype=np.int64),
                                     group_size=G, num_kv_heads=num_kv_heads, block_size=block_size,
                                     table_width=block_table.shape[1], device=q.device, num_splits=num_splits)
-    elif num_splits is not None:
-        raise ValueError("num_splits is set when the plan is built (plan_paged_attention), not with a plan")
-    if (plan.batch, plan.group_size, plan.num_kv_heads, plan.block_size) != (batch, G, num_kv_heads, block_size):
-        raise ValueError(f"the plan is for {plan.batch} sequences, {plan.group_size} query heads per kv head, "
-                         f"{plan.num_kv_heads} kv heads, pages of {plan.block_size}; the call has {batch}, {G}, "
-                         f"{num_kv_heads}, {block_size}")
-    if plan.max_blocks > block_table.shape[1]:
-        raise ValueError(f"block_table has {block_table.shape[1]} columns, a sequence needs {plan.max_blocks}")
-    if plan.num_tokens > num_tokens:
-        raise ValueError(f"query_start_loc ends at {plan.num_tokens}, past the {num_tokens} rows of q")
+    else:
+        check(num_splits is None, "num_splits is set when the plan is built (plan_paged_attention), not with a plan")
+    check((plan.batch, plan.group_size, plan.num_kv_heads, plan.block_size) == (batch, G, num_kv_heads, block_size),
+          lambda: f"the plan is for {plan.batch} sequences, {plan.group_size} query heads per kv head, "
+                  f"{plan.num_kv_heads} kv heads, pages of {plan.block_size}; the call has {batch}, {G}, "
+                  f"{num_kv_heads}, {block_size}")
+    check(plan.max_blocks <= block_table.shape[1],
+          lambda: f"block_table has {block_table.shape[1]} columns, a sequence needs {plan.max_blocks}")
+    check(plan.num_tokens <= num_tokens,
+          lambda: f"query_start_loc ends at {plan.num_tokens}, past the {num_tokens} rows of q")
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.device != q.device:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with stride 1 along head_dim")
     num_items = plan.work.shape[0]
     if num_items == 0:
         return out

@@ -1,24 +1,27 @@
-"""Triton kernels for the depthwise causal conv1d of Mamba2 (the short conv on x, B, C).
+"""The depthwise causal conv1d of the Mamba mixers (the short conv on x, B, C): ops
+`causal_conv1d` and `causal_conv1d_update`, their Triton kernels and launchers.
 
-`causal_conv1d_triton` runs one launch over a packed batch that mixes prefills and one-token
-decodes: the grid is (token blocks of all sequences, feature blocks), so a long prompt is split
-along its length and decodes cost one small program each. `causal_conv1d_update_triton` is the
-decode-only variant (one token per sequence, no host metadata: safe inside CUDA graphs).
+`causal_conv1d` runs one launch over a packed batch that mixes prefills and one-token decodes:
+the grid is (token blocks of all sequences, feature blocks), so a long prompt is split along its
+length and decodes cost one small program each; the token blocks are the step's plan
+(`varlen.TokenBlocks`). `causal_conv1d_update` is the decode-only variant (one token per
+sequence, no plan and no host sync: safe inside CUDA graphs).
 
 Conv states are (num_slots, width - 1, dim), contiguous along dim, so every state row is one
 coalesced load or store. A state index of -1 marks padding: its output is computed as if it had
 no initial state and no slot is read or written.
 
-Math and semantics: `mambaserve.ops.reference.causal_conv1d` (Mamba2 paper, section 7: the
-short convolution before the SSM). This module knows nothing about models or the engine.
+Math: `reference.causal_conv1d` (Mamba2 paper, section 7: the short convolution before the
+SSM; Mamba-1 has the same). This module knows nothing about models or the engine.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from mambaserve.ops import reference
+from mambaserve.ops.common import check, check_batch, next_power_of_2
+from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.varlen import TokenBlocks, conv_token_blocks, read_offsets
 
 # Fixed launch configs (tuned offline with benchmarks/kernels.py; never autotuned, since the
@@ -137,12 +140,26 @@ def _causal_conv1d_update_kernel(
                  mask=r_mask[:, None] & d_mask[None, :])
 
 
-def _check_states(conv_states: torch.Tensor) -> None:
-    if conv_states.stride(2) != 1 and conv_states.shape[2] > 1:
-        raise ValueError("conv_states must be contiguous along dim (stride 1 on the last axis)")
+def _check_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+                activation: str | None) -> tuple[int, int]:
+    """(dim, width) of the arguments both conv ops share. Raises ValueError on bad ones."""
+    check(x.dim() == 2 and x.stride(1) == 1,
+          lambda: f"x must be (rows, dim) with stride 1 on dim, got {tuple(x.shape)} strides {x.stride()}")
+    dim = x.shape[1]
+    check(weight.dim() == 2 and weight.shape[0] == dim,
+          lambda: f"weight must be ({dim}, width), got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    check(bias is None or bias.shape == (dim,), lambda: f"bias must be ({dim},), got {tuple(bias.shape)}")
+    check(conv_states.dim() == 3 and conv_states.shape[1:] == (width - 1, dim),
+          lambda: f"conv_states must be (num_slots, {width - 1}, {dim}), got {tuple(conv_states.shape)}")
+    # the kernels load and store whole state rows along dim (both backends take the same layout)
+    check(conv_states.stride(2) == 1 or dim <= 1,
+          lambda: f"conv_states must be contiguous along dim (stride 1), got strides {conv_states.stride()}")
+    check(activation in (None, "silu", "swish"), lambda: f"unsupported activation {activation!r}")
+    return dim, width
 
 
-def causal_conv1d_triton(
+def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -153,30 +170,37 @@ def causal_conv1d_triton(
     activation: str | None = "silu",
     blocks: TokenBlocks | None = None,
 ) -> torch.Tensor:
-    """Varlen causal conv1d over a packed prefill/decode batch, one launch.
+    """Depthwise causal conv1d over a packed batch mixing prefills and decodes (Mamba2 and Mamba-1).
 
-    x: (num_tokens, dim), stride(1) == 1, any row stride (a column slice of in_proj's output);
+    x: (num_tokens, dim) with feature stride 1 (a column slice of a wider tensor is fine);
     weight: (dim, width); bias: (dim,) or None; conv_states: (num_slots, width - 1, dim),
     contiguous along dim, updated in place; query_start_loc: (batch + 1,) int32;
-    state_indices: (batch,) int32, -1 = padding; has_initial_state: (batch,) bool.
-    blocks: the step's token blocks (`varlen.conv_token_blocks` with CONV_CONFIG's block_t);
-    None builds them from a device read of query_start_loc (a host sync).
-    Returns (num_tokens, dim) in x.dtype. Semantics: `reference.causal_conv1d`. Raises
-    ValueError when query_start_loc decreases, starts below 0 or ends past x's rows.
+    state_indices: (batch,) int32, -1 = padding (no state read or written);
+    has_initial_state: (batch,) bool; activation: "silu" (or "swish") or None.
+    blocks: the step's token blocks (`ForwardContext.conv_blocks`, or `varlen.conv_token_blocks`
+    with CONV_CONFIG's block_t), used by the kernel; None builds them from a device read of
+    query_start_loc (a host sync, so never inside a CUDA-graph capture).
+    Returns (num_tokens, dim) in x.dtype; rows past query_start_loc[-1] are left unwritten.
+    Sequence i is convolved as if preceded by conv_states[state_indices[i]] (zeros when it has
+    no initial state); that slot then holds the last width - 1 inputs of the concatenation.
+    Math: `reference.causal_conv1d`. Raises ValueError on inconsistent shapes, conv_states not
+    contiguous along dim, query_start_loc that starts below 0, decreases or ends past x's rows,
+    or blocks planned for another batch or block size.
     """
-    num_tokens, dim = x.shape
-    width = weight.shape[1]
-    if x.stride(1) != 1:
-        raise ValueError("x must have stride 1 along dim")
-    _check_states(conv_states)
+    dim, width = _check_conv(x, weight, bias, conv_states, activation)
+    batch = check_batch(query_start_loc, state_indices, has_initial_state)
+    num_tokens = x.shape[0]
+    if not use_triton(x):
+        return reference.causal_conv1d(x, weight, bias, conv_states, query_start_loc, state_indices,
+                                       has_initial_state, activation)
     cfg = CONV_CONFIG
     if blocks is None:
         blocks = conv_token_blocks(read_offsets(query_start_loc), cfg["block_t"], x.device)
-    if (blocks.block_t, blocks.batch) != (cfg["block_t"], state_indices.shape[0]):
-        raise ValueError(f"token blocks of {blocks.block_t} for {blocks.batch} sequences; the call has "
-                         f"{state_indices.shape[0]} sequences and the kernel blocks of {cfg['block_t']}")
-    if blocks.num_tokens > num_tokens:
-        raise ValueError(f"query_start_loc ends at {blocks.num_tokens}, past the {num_tokens} rows of x")
+    check((blocks.block_t, blocks.batch) == (cfg["block_t"], batch),
+          lambda: f"token blocks of {blocks.block_t} for {blocks.batch} sequences; the call has {batch} "
+                  f"sequences and the kernel blocks of {cfg['block_t']}")
+    check(blocks.num_tokens <= num_tokens,
+          lambda: f"query_start_loc ends at {blocks.num_tokens}, past the {num_tokens} rows of x")
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     if blocks.num_blocks == 0 or dim == 0:
         return out
@@ -187,14 +211,14 @@ def causal_conv1d_triton(
         dim,
         x.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0), conv_states.stride(1),
         out.stride(0),
-        WIDTH=width, ROWS=max(1, triton.next_power_of_2(width - 1)), HAS_BIAS=bias is not None,
+        WIDTH=width, ROWS=max(1, next_power_of_2(width - 1)), HAS_BIAS=bias is not None,
         SILU=activation in ("silu", "swish"),
         BLOCK_T=cfg["block_t"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
     )
     return out
 
 
-def causal_conv1d_update_triton(
+def causal_conv1d_update(
     x: torch.Tensor,
     conv_states: torch.Tensor,
     weight: torch.Tensor,
@@ -202,18 +226,21 @@ def causal_conv1d_update_triton(
     state_indices: torch.Tensor,
     activation: str | None = "silu",
 ) -> torch.Tensor:
-    """Conv1d for a decode-only batch, one token per sequence, states updated in place.
+    """`causal_conv1d` for a decode-only batch: one token per sequence, always with an initial
+    state (Mamba2 and Mamba-1 decode). No plan and no host sync: safe inside CUDA graphs.
 
-    x: (batch, dim), stride(1) == 1; conv_states: (num_slots, width - 1, dim), contiguous
-    along dim; weight: (dim, width); bias: (dim,) or None; state_indices: (batch,), -1 =
-    padding (output as if from a zero state, no slot touched). Returns (batch, dim) in x.dtype.
-    No host metadata and no host sync: safe to capture in a CUDA graph.
+    x: (batch, dim), feature stride 1; conv_states: (num_slots, width - 1, dim), contiguous
+    along dim, updated in place; weight: (dim, width); bias: (dim,) or None; state_indices:
+    (batch,) int32, -1 = padding (output as if from a zero state, no slot touched).
+    Returns (batch, dim) in x.dtype. Math: `reference.causal_conv1d_update`. Raises ValueError
+    on inconsistent shapes or conv_states not contiguous along dim.
     """
-    batch, dim = x.shape
-    width = weight.shape[1]
-    if x.stride(1) != 1:
-        raise ValueError("x must have stride 1 along dim")
-    _check_states(conv_states)
+    dim, width = _check_conv(x, weight, bias, conv_states, activation)
+    batch = x.shape[0]
+    check(state_indices.shape == (batch,),
+          lambda: f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+    if not use_triton(x):
+        return reference.causal_conv1d_update(x, conv_states, weight, bias, state_indices, activation)
     out = torch.empty((batch, dim), dtype=x.dtype, device=x.device)
     if batch == 0 or dim == 0:
         return out
@@ -224,7 +251,7 @@ def causal_conv1d_update_triton(
         dim,
         x.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0), conv_states.stride(1),
         out.stride(0),
-        WIDTH=width, ROWS=max(1, triton.next_power_of_2(width - 1)), HAS_BIAS=bias is not None,
+        WIDTH=width, ROWS=max(1, next_power_of_2(width - 1)), HAS_BIAS=bias is not None,
         SILU=activation in ("silu", "swish"), BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
     )
     return out

@@ -1,4 +1,5 @@
-"""Triton split-K matrix-vector products for decode-sized batches, left as partial sums.
+"""Split-K matrix-vector products for decode-sized batches, left as partial sums: op
+`linear_partials`, its Triton kernel and launcher.
 
 At a decode step a projection multiplies a handful of rows by a large weight: the time is the
 weight read, and cuBLAS spends two launches on it (a split-K product and its reduction). Here
@@ -7,14 +8,16 @@ by every row, and leaves the split partial sums (num_splits, num_tokens, N) in f
 reduction is folded into the consumer: `ops.fused_add_rms_norm` takes such partials as its
 input, so the residual add, the sum of the splits and the next norm are one kernel.
 
-Math: `mambaserve.ops.reference.linear_partials`. This module knows nothing about models.
+Math: `reference.linear_partials`. This module knows nothing about models.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from mambaserve.ops import reference
+from mambaserve.ops.common import check
+from mambaserve.ops.dispatch import tl, triton, use_triton
 
 MAX_TOKENS = 16  # more rows than this: a tensor-core matrix product is the better tool
 
@@ -35,14 +38,26 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, num_tokens, N, K, stride_x, s
         tl.store(out_ptr + s * stride_os + t * stride_ot + offs_n, tl.sum(w * xv[None, :], axis=1), mask=n_mask)
 
 
-def linear_partials_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x: (num_tokens, K), stride 1 along K, num_tokens <= MAX_TOKENS; weight: (N, K), stride 1
-    along K, x's dtype. Returns (num_splits, num_tokens, N) float32 whose sum over the first
-    axis is x @ weight^T. Raises ValueError on bad shapes."""
-    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"x must be (num_tokens, K) and weight (N, K), got {tuple(x.shape)}, {tuple(weight.shape)}")
-    if x.shape[0] > MAX_TOKENS:
-        raise ValueError(f"linear_partials is for at most {MAX_TOKENS} rows, got {x.shape[0]}")
+def gemv_max_tokens() -> int:
+    """Most rows `linear_partials` takes on the Triton path (decode-sized batches)."""
+    return MAX_TOKENS
+
+
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T left as split-K partial sums, for decode-sized batches whose consumer is
+    `fused_add_rms_norm` (which adds the splits): one launch where cuBLAS takes two (every
+    family's out_proj at decode).
+
+    x: (num_tokens, K); weight: (N, K). Returns (num_splits, num_tokens, N) float32 (float64
+    for float64 input on the reference) whose sum over the first axis is the product. The
+    Triton path takes at most MAX_TOKENS rows and weight in x's dtype; other calls run the
+    reference (num_splits 1). Math: `reference.linear_partials`. Raises ValueError on bad shapes.
+    """
+    check(x.dim() == 2 and weight.dim() == 2 and weight.shape[1] == x.shape[1],
+          lambda: f"x must be (num_tokens, K) and weight (N, {x.shape[-1]}), got {tuple(x.shape)}, "
+                  f"{tuple(weight.shape)}")
+    if not (use_triton(x) and weight.dtype == x.dtype and x.shape[0] <= MAX_TOKENS):
+        return reference.linear_partials(x, weight)
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:

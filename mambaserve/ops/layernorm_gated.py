@@ -1,18 +1,21 @@
-"""Triton kernel for the gated RMSNorm of Mamba2 (norm over groups of features, silu(z) gate).
+"""The RMSNorms: ops `rms_norm_gated` (Mamba2's gated norm over groups of features) and
+`fused_add_rms_norm` (a residual add and the next layer's RMSNorm), one Triton kernel.
 
 One program normalizes a (block_m rows, one group) tile in a single pass when the group fits
 in a block (the usual case: hidden / n_groups <= 8192), or in two passes over the group
 otherwise. Rows may have any stride (z is usually a column slice of in_proj's output).
 
-Math: `mambaserve.ops.reference.rms_norm_gated` (Mamba2 paper, section 7.2, "extra
-normalization"). This module knows nothing about models or the engine.
+Math: `reference.rms_norm_gated` and `reference.fused_add_rms_norm`. This module knows nothing
+about models or the engine.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from mambaserve.ops import reference
+from mambaserve.ops.common import check, check_positive_int, next_power_of_2
+from mambaserve.ops.dispatch import tl, triton, use_triton
 
 MAX_BLOCK_N = 8192  # widest group handled in a single pass
 TILE_ELEMENTS = 4096  # rows per program = TILE_ELEMENTS // block_n (at least 1)
@@ -104,38 +107,11 @@ def _rms_norm_gated_kernel(
             tl.store(out_ptr + rows[:, None] * stride_o_m + c[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_gated_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    z: torch.Tensor | None,
-    eps: float,
-    group_size: int,
-    norm_before_gate: bool = False,
-    residual: torch.Tensor | None = None,
-    alpha: float = 1.0,
-) -> torch.Tensor:
-    """Gated RMSNorm over groups of group_size features.
-
-    x, z: (num_tokens, hidden), any row stride (a non-unit feature stride is copied first);
-    weight: (hidden,); hidden % group_size == 0. norm_before_gate=False computes
-    weight * rmsnorm_g(x * silu(z)); True computes weight * rmsnorm_g(x) * silu(z).
-    residual: optional (num_tokens, hidden) tensor, feature stride 1, updated in place to
-    residual + alpha * x (rounded to its dtype); the norm then applies to that sum instead of x.
-    With a residual, x may also be (num_parts, num_tokens, hidden) partial sums (any dtype,
-    feature stride 1), added in order in float32: a split-K product's unreduced output.
-    Returns a contiguous (num_tokens, hidden) tensor in x.dtype (residual's for partials).
-    """
-    parts = None
-    if x.dim() == 3:
-        if residual is None or z is not None:
-            raise ValueError("partial sums (3-D x) are taken only with a residual and no gate")
-        parts, x = x, x[0]
+def _launch(x, weight, z, eps, group_size, norm_before_gate, residual=None, alpha=1.0, parts=None):
+    """The kernel on checked arguments: x (rows, hidden), or with parts (num_parts, rows,
+    hidden) partial sums (x = parts[0]) and a residual. Returns (rows, hidden), contiguous."""
     num_rows, hidden = x.shape
-    if hidden % group_size != 0:
-        raise ValueError(f"hidden ({hidden}) must be a multiple of group_size ({group_size})")
     if x.stride(1) != 1:
-        if parts is not None:
-            raise ValueError("partial sums must have stride 1 along features")
         x = x.contiguous()
     if z is not None and z.stride(1) != 1:
         z = z.contiguous()
@@ -143,18 +119,16 @@ def rms_norm_gated_triton(
     out = torch.empty((num_rows, hidden), dtype=x.dtype if parts is None else residual.dtype, device=x.device)
     if num_rows == 0 or hidden == 0:
         return out
-    single = triton.next_power_of_2(group_size) <= MAX_BLOCK_N
-    block_n = triton.next_power_of_2(group_size) if single else MAX_BLOCK_N // 2
-    block_m = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(num_rows)))
+    single = next_power_of_2(group_size) <= MAX_BLOCK_N
+    block_n = next_power_of_2(group_size) if single else MAX_BLOCK_N // 2
+    block_m = max(1, min(TILE_ELEMENTS // block_n, next_power_of_2(num_rows)))
     parts_block = 1
     if parts is not None and parts.shape[0] > 1 and single:
         # at most 16K values per load (registers): hidden 4,096 takes four parts at a time
-        parts_block = min(triton.next_power_of_2(parts.shape[0]), max(2, 16384 // block_n))
+        parts_block = min(next_power_of_2(parts.shape[0]), max(2, 16384 // block_n))
         block_m = 1
     num_warps = 4 if parts_block * block_m * block_n <= 2048 else 8
     zz = z if z is not None else x
-    if residual is not None and (residual.shape != x.shape or residual.stride(1) != 1):
-        raise ValueError(f"residual must be {tuple(x.shape)} with stride 1 along features")
     rr = residual if residual is not None else x
     grid = (triton.cdiv(num_rows, block_m), hidden // group_size)
     _rms_norm_gated_kernel[grid](
@@ -166,3 +140,65 @@ def rms_norm_gated_triton(
         num_warps=num_warps,
     )
     return out
+
+
+def rms_norm_gated(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    z: torch.Tensor | None,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """Gated RMSNorm over groups of group_size features (Mamba2, and Falcon-H1's variants).
+
+    x, z: (num_tokens, hidden), any row stride (z may be None: no gate); weight: (hidden,);
+    group_size: a positive int dividing hidden. norm_before_gate=False computes
+    weight * rmsnorm_g(x * silu(z)); True computes weight * rmsnorm_g(x) * silu(z), where
+    rmsnorm_g divides each group of features by its root mean square (+ eps).
+    Returns (num_tokens, hidden) in x.dtype, contiguous. Math: Mamba2 paper, section 7.2
+    ("extra normalization"); `reference.rms_norm_gated`. Raises ValueError when group_size is
+    not a positive int, hidden is not a multiple of it, or shapes disagree.
+    """
+    check(x.dim() == 2, lambda: f"x must be (num_tokens, hidden), got {tuple(x.shape)}")
+    group_size = check_positive_int(group_size, "group_size")
+    check(x.shape[1] % group_size == 0,
+          lambda: f"hidden ({x.shape[1]}) must be a multiple of group_size ({group_size})")
+    check(weight.shape == (x.shape[1],), lambda: f"weight must be ({x.shape[1]},), got {tuple(weight.shape)}")
+    check(z is None or z.shape == x.shape, "z must have the shape of x")
+    if not use_triton(x):
+        return reference.rms_norm_gated(x, weight, z, eps, group_size, norm_before_gate)
+    return _launch(x, weight, z, eps, group_size, norm_before_gate)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """residual <- residual + alpha * x in place (rounded once to residual's dtype), then
+    weight * rmsnorm(residual), returned in x.dtype: a residual add and the next layer's norm
+    in one kernel (every family's residual stream).
+
+    x, residual: (num_tokens, hidden), residual with feature stride 1; weight: (hidden,).
+    x may also be (num_parts, num_tokens, hidden) partial sums of the added term, feature
+    stride 1 (as `linear_partials` or `fused_moe(..., as_partials=True)` leave them), summed
+    in float32 in a fixed order; the result is then in residual's dtype. Math: RMSNorm (Zhang &
+    Sennrich 2019); `reference.fused_add_rms_norm`. Raises ValueError when shapes disagree, and
+    on the Triton path when residual or the partial sums are not contiguous along features.
+    """
+    rows = x.shape[-2:] if x.dim() in (2, 3) else None
+    check(rows is not None and residual.shape == rows,
+          lambda: f"x must be (num_tokens, hidden) or (num_parts, num_tokens, hidden) and residual "
+                  f"(num_tokens, hidden), got {tuple(x.shape)}, {tuple(residual.shape)}")
+    check(weight.shape == (x.shape[-1],), lambda: f"weight must be ({x.shape[-1]},), got {tuple(weight.shape)}")
+    if not use_triton(residual):
+        return reference.fused_add_rms_norm(x, residual, weight, eps, alpha)
+    check(residual.stride(1) == 1, "residual must have stride 1 along features")
+    parts = None
+    if x.dim() == 3:
+        check(x.stride(2) == 1, "partial sums must have stride 1 along features")
+        parts, x = x, x[0]
+    return _launch(x, weight, None, eps, x.shape[-1], False, residual=residual, alpha=alpha, parts=parts)

@@ -1,4 +1,6 @@
-"""Triton kernel for the Mamba-1 selective scan over a packed batch, with state pool I/O.
+"""The Mamba-1 selective scan over a packed batch, with state pool I/O: ops `selective_scan`
+(prefill and mixed steps) and `selective_scan_update` (decode), their Triton kernel and
+launchers (Mamba2's are `ssd_chunk_scan` and `ssd_state_update`).
 
 Mamba-1 (Gu & Dao 2023, section 3, Algorithm 2) has one decay rate per (channel, state) pair,
 A: (dim, dstate), where Mamba2 has one scalar per head; its state is (dim, dstate) per sequence.
@@ -10,25 +12,25 @@ chunk), the decode launch one by one. The grid is
 (channel blocks, sequences): a mixed batch of prefills and one-token decodes is one launch, and
 a decode costs one step of each of its programs.
 
-`selective_scan_triton` takes the packed batch (query_start_loc, has_initial_state);
-`selective_scan_update_triton` is the same kernel for a decode-only batch (row b is sequence b,
-always with a state): no host metadata and no host sync, so it is safe inside CUDA graphs, and
-so is the varlen kernel itself (its loop bounds are read on the device; its launcher checks
-the offsets on the host, from the step's host copy when it is given one).
+`selective_scan` takes the packed batch (query_start_loc, has_initial_state);
+`selective_scan_update` is the same kernel for a decode-only batch (row b is sequence b,
+always with a state): no plan and no host sync, so it is safe inside CUDA graphs, and so is
+the varlen kernel itself (its loop bounds are read on the device; its launcher checks the
+offsets on the host, from the step's host copy when it is given one).
 
 A state index of -1 marks padding: its rows are computed from a zero state and no slot is read
-or written. Math and semantics: `mambaserve.ops.reference.selective_scan`. This module knows
-nothing about models or the engine.
+or written. Math: `reference.selective_scan`. This module knows nothing about models or the
+engine.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
-from mambaserve.ops.state_update import _softplus
+from mambaserve.ops import reference
+from mambaserve.ops.common import check, check_batch, next_power_of_2, process_dt
+from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.varlen import read_offsets
 
 # Fixed launch configs (never autotuned: the kernel writes live state in place). chunk: 0 walks
@@ -94,9 +96,8 @@ def _selective_scan_kernel(
     if CHUNK == 0:
         for t in range(start, end):
             x = tl.load(x_ptr + t * stride_x_t + d * stride_x_d, mask=d_mask, other=0.0).to(tl.float32)
-            dt = tl.load(dt_ptr + t * stride_dt_t + d * stride_dt_d, mask=d_mask, other=0.0).to(tl.float32) + dt_bias
-            if DT_SOFTPLUS:
-                dt = _softplus(dt)
+            dt = tl.load(dt_ptr + t * stride_dt_t + d * stride_dt_d, mask=d_mask, other=0.0).to(tl.float32)
+            dt = process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, False, 0.0, 0.0)
             Bv = tl.load(B_ptr + t * stride_B_t + n * stride_B_n, mask=n_mask, other=0.0).to(tl.float32)
             Cv = tl.load(C_ptr + t * stride_C_t + n * stride_C_n, mask=n_mask, other=0.0).to(tl.float32)
             # h_t = exp(dt A) h_{t-1} + dt x_t B_t (zero-order hold on A, Euler on B: section 3.2)
@@ -113,10 +114,8 @@ def _selective_scan_kernel(
             t_mask = t < end
             m = t_mask[:, None] & d_mask[None, :]
             x = tl.load(x_ptr + t[:, None] * stride_x_t + d[None, :] * stride_x_d, mask=m, other=0.0).to(tl.float32)
-            dt = tl.load(dt_ptr + t[:, None] * stride_dt_t + d[None, :] * stride_dt_d, mask=m,
-                         other=0.0).to(tl.float32) + dt_bias[None, :]
-            if DT_SOFTPLUS:
-                dt = _softplus(dt)
+            dt = tl.load(dt_ptr + t[:, None] * stride_dt_t + d[None, :] * stride_dt_d, mask=m, other=0.0).to(tl.float32)
+            dt = process_dt(dt, dt_bias[None, :], HAS_DT_BIAS, DT_SOFTPLUS, False, 0.0, 0.0)
             dt = tl.where(t_mask[:, None], dt, 0.0)  # rows past the end: h -> 1 * h + 0
             mn = t_mask[:, None] & n_mask[None, :]
             Bv = tl.load(B_ptr + t[:, None] * stride_B_t + n[None, :] * stride_B_n, mask=mn, other=0.0).to(tl.float32)
@@ -139,10 +138,27 @@ def _selective_scan_kernel(
         tl.store(s_ptrs, h.to(state_ptr.dtype.element_ty), mask=tile_mask)
 
 
+def _check_selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states) -> None:
+    """The operands both Mamba-1 ops share (shapes in `selective_scan`). Raises ValueError on bad ones."""
+    check(x.dim() == 2, lambda: f"x must be (num_tokens, dim), got {tuple(x.shape)}")
+    T, dim = x.shape
+    check(dt.shape == x.shape, lambda: f"dt must be ({T}, {dim}), got {tuple(dt.shape)}")
+    check(A.dim() == 2 and A.shape[0] == dim, lambda: f"A must be ({dim}, dstate), got {tuple(A.shape)}")
+    N = A.shape[1]
+    check(B.shape == (T, N) and C.shape == (T, N),
+          lambda: f"B and C must be ({T}, {N}), got {tuple(B.shape)} and {tuple(C.shape)}")
+    check(D is None or D.shape == (dim,), lambda: f"D must be ({dim},), got {tuple(D.shape)}")
+    check(dt_bias is None or dt_bias.shape == (dim,), lambda: f"dt_bias must be ({dim},), got {tuple(dt_bias.shape)}")
+    check(z is None or z.shape == x.shape, lambda: f"z must be ({T}, {dim}), got {tuple(z.shape)}")
+    check(ssm_states.dim() == 3 and ssm_states.shape[1:] == (dim, N),
+          lambda: f"ssm_states must be (num_slots, {dim}, {N}), got {tuple(ssm_states.shape)}")
+
+
 def _launch(varlen, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
-            has_initial_state, dt_softplus, y):
+            has_initial_state, dt_softplus):
     dim, dstate = A.shape
     batch = state_indices.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if batch == 0 or dim == 0:
         return y
     cfg = SCAN_CONFIG if varlen else UPDATE_CONFIG
@@ -157,13 +173,13 @@ def _launch(varlen, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, 
         *ssm_states.stride(),
         VARLEN=varlen, HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=bool(dt_softplus), CHUNK=cfg.get("chunk", 0) if varlen else 0,
-        BLOCK_D=cfg["block_d"], BLOCK_N=max(16, triton.next_power_of_2(dstate)),
+        BLOCK_D=cfg["block_d"], BLOCK_N=max(16, next_power_of_2(dstate)),
         num_warps=cfg["num_warps"],
     )
     return y
 
 
-def selective_scan_triton(
+def selective_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -179,30 +195,39 @@ def selective_scan_triton(
     dt_softplus: bool = True,
     query_start_loc_host: np.ndarray | None = None,
 ) -> torch.Tensor:
-    """Mamba-1 selective scan over a packed prefill/decode batch, one launch.
+    """The Mamba-1 selective scan over variable-length packed sequences, with state pool I/O
+    (Mamba-1 prefill and mixed steps; Mamba2's is `ssd_chunk_scan`).
 
-    x, dt: (num_tokens, dim), any strides; A: (dim, dstate) float32; B, C: (num_tokens, dstate),
-    any strides (column slices of x_proj's output); D, dt_bias: (dim,) or None; z: (num_tokens,
-    dim) or None; ssm_states: (num_slots, dim, dstate), float32/bfloat16/float16, read where
-    has_initial_state and overwritten with each sequence's final state (float32 arithmetic);
-    query_start_loc: (batch + 1,) int32; state_indices: (batch,) int32, -1 = padding;
-    has_initial_state: (batch,) bool. query_start_loc_host: the step's checked host copy of
-    query_start_loc (`varlen.check_offsets`), which spares a device read (a host sync). Returns y (num_tokens, dim) in
-    x.dtype; rows past query_start_loc[-1] are left unwritten. Semantics:
-    `reference.selective_scan`. Raises ValueError when query_start_loc starts below 0,
-    decreases or ends past x's rows (the kernel would index out of bounds).
+    x: (num_tokens, dim); dt: (num_tokens, dim), before dt_bias and softplus; A: (dim, dstate)
+    float32 (one decay rate per channel and state); B, C: (num_tokens, dstate); D, dt_bias:
+    (dim,) or None; z: (num_tokens, dim) or None (y is multiplied by silu(z)); any strides
+    (column slices of in_proj's and x_proj's outputs). ssm_states: (num_slots, dim, dstate),
+    float32/bfloat16/float16, read as the initial state where has_initial_state and overwritten
+    with each sequence's final state (float32 arithmetic); query_start_loc (batch + 1,) int32,
+    state_indices (batch,) int32 (-1 = padding), has_initial_state (batch,) bool.
+    query_start_loc_host: the step's host copy of query_start_loc, already checked
+    (`ForwardContext.query_start_loc_host`, or `varlen.check_offsets`): the kernel path then
+    checks only its size and its end against x, without a device read; None reads and checks
+    query_start_loc on the host (a host sync, never inside a CUDA-graph capture).
+    Returns y (num_tokens, dim) in x.dtype; rows past query_start_loc[-1] are left unwritten.
+    Math (Mamba paper, Gu & Dao 2023, section 3, Algorithm 2): dt' = softplus(dt + dt_bias);
+    h_t = exp(dt'_t A) * h_{t-1} + (dt'_t x_t) B_t^T; y_t = h_t C_t + D x_t;
+    `reference.selective_scan`. Raises ValueError on inconsistent shapes, query_start_loc that
+    starts below 0, decreases or ends past x's rows, or a host copy of another size.
     """
+    _check_selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+    batch = check_batch(query_start_loc, state_indices, has_initial_state)
+    if not use_triton(x):
+        return reference.selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
+                                        has_initial_state, dt_softplus)
     qsl = read_offsets(query_start_loc) if query_start_loc_host is None else query_start_loc_host
-    if qsl.shape != (state_indices.shape[0] + 1,):
-        raise ValueError(f"query_start_loc_host has {qsl.size} offsets for {state_indices.shape[0]} sequences")
-    if qsl[-1] > x.shape[0]:
-        raise ValueError(f"query_start_loc ends at {int(qsl[-1])}, past the {x.shape[0]} rows of x")
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    check(qsl.shape == (batch + 1,), lambda: f"query_start_loc_host has {qsl.size} offsets for {batch} sequences")
+    check(qsl[-1] <= x.shape[0], lambda: f"query_start_loc ends at {int(qsl[-1])}, past the {x.shape[0]} rows of x")
     return _launch(True, x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
-                   has_initial_state, dt_softplus, y)
+                   has_initial_state, dt_softplus)
 
 
-def selective_scan_update_triton(
+def selective_scan_update(
     ssm_states: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -215,13 +240,19 @@ def selective_scan_update_triton(
     state_indices: torch.Tensor,
     dt_softplus: bool = True,
 ) -> torch.Tensor:
-    """One Mamba-1 recurrence step per sequence (decode), in place on the state pool.
+    """One Mamba-1 recurrence step per sequence (decode), in place on the state pool: the
+    per-channel-A counterpart of Mamba2's `ssd_state_update`. No plan and no host sync: safe
+    inside CUDA graphs.
 
     ssm_states: (num_slots, dim, dstate); x, dt: (batch, dim); A: (dim, dstate) float32;
     B, C: (batch, dstate); D, dt_bias: (dim,) or None; z: (batch, dim) or None; state_indices:
     (batch,) int32, -1 = padding (y from a zero state, no slot touched). Any strides. Returns y
-    (batch, dim) in x.dtype. No host metadata and no host sync: safe to capture in a CUDA graph.
-    Semantics: `reference.selective_scan_update`.
+    (batch, dim) in x.dtype. Math: `selective_scan`'s, one step; `reference.selective_scan_update`.
+    Raises ValueError on inconsistent shapes.
     """
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    return _launch(False, x, dt, A, B, C, D, z, dt_bias, ssm_states, None, state_indices, None, dt_softplus, y)
+    _check_selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+    check(state_indices.shape == (x.shape[0],),
+          lambda: f"state_indices must be ({x.shape[0]},), got {tuple(state_indices.shape)}")
+    if not use_triton(x):
+        return reference.selective_scan_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus)
+    return _launch(False, x, dt, A, B, C, D, z, dt_bias, ssm_states, None, state_indices, None, dt_softplus)

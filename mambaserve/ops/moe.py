@@ -1,4 +1,5 @@
-"""Fused mixture of experts: route, two grouped matrix products, weighted combine.
+"""Mixture of experts: ops `fused_moe` (route, two grouped matrix products, weighted combine),
+`topk_softmax` and `router_topk` (the routers), their Triton kernels and launchers.
 
 The routed (token, expert) pairs are sorted by expert once (a stable sort, so the result does
 not depend on thread timing); each expert's rows are then a contiguous slice and both expert
@@ -11,24 +12,20 @@ layers are grouped matrix products over those slices:
 The top-k outputs of a token are summed back in token order by a gather kernel that adds the
 k terms in a fixed order (deterministic; no atomics). Nothing here syncs with the host.
 
-This module knows nothing about models or routers; the math is `reference.fused_moe`.
+This module knows nothing about models; the math is `reference.fused_moe`, `reference.topk_softmax`
+and `reference.router_topk`.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from mambaserve.ops import reference
 from mambaserve.ops.activation import _silu_mul_kernel
-
-__all__ = ["fused_moe_triton"]
+from mambaserve.ops.common import TL_DTYPES, check, next_power_of_2
+from mambaserve.ops.dispatch import tl, triton, use_triton
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())
 
 
 @triton.jit
@@ -264,21 +261,72 @@ def _router_topk_kernel(part_ptr, w_ptr, ids_ptr, num_experts, num_splits,
 
 # Up to this many tokens the router runs as two small kernels of our own (split product, top-k).
 ROUTER_FUSED_MAX_TOKENS = 16
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+TOPK_MAX_EXPERTS = 1024  # widest row the top-k kernel takes (registers); wider rows: the reference
 
 
-def router_topk_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype,
-                       num_shared: int = 0, renormalize: bool = True):
-    """x: (num_tokens, hidden), stride 1 along hidden; router_weight: (num_experts, hidden),
-    x's dtype, stride 1 along hidden -> (weights, ids) as `topk_softmax_triton` of the logits
-    x @ router_weight^T. Few tokens: a split product over many programs, then the top-k (two
-    launches, where cuBLAS takes two for the product alone); more tokens: cuBLAS, then top-k."""
+def _check_routing(num_experts: int, top_k: int, num_shared: int) -> None:
+    check(1 <= top_k <= num_experts, lambda: f"top_k must be in [1, {num_experts}], got {top_k}")
+    check(num_shared >= 0, lambda: f"num_shared must be >= 0, got {num_shared}")
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None, num_shared: int = 0,
+                 renormalize: bool = True):
+    """Top-k expert routing (the MoE families): the top_k largest logits of each row and a
+    softmax over them (renormalize=False: the softmax over all experts, of which the top_k
+    entries are kept as they are, summing to less than 1: Jamba's router).
+
+    logits: (num_tokens, num_experts), any float dtype (compared in float32). Returns
+    (weights (num_tokens, top_k + num_shared) in out_dtype (default logits.dtype), ids
+    (num_tokens, top_k + num_shared) integer): the routed experts largest first, then
+    num_shared always-on experts num_experts + j with weight 1 (a shared expert stored as
+    extra experts of the fused MoE). The Triton path takes rows of at most TOPK_MAX_EXPERTS
+    (one program per token; NaN logits count as -inf). Math: Shazeer et al. 2017, top-k
+    gating; `reference.topk_softmax`. Raises ValueError when top_k is not in [1, num_experts]
+    or num_shared < 0.
+    """
+    check(logits.dim() == 2, lambda: f"logits must be (num_tokens, num_experts), got {tuple(logits.shape)}")
+    _check_routing(logits.shape[1], top_k, num_shared)
+    out_dtype = out_dtype or logits.dtype
+    if not (use_triton(logits) and logits.shape[1] <= TOPK_MAX_EXPERTS):
+        return reference.topk_softmax(logits, top_k, out_dtype, num_shared, renormalize)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    num_tokens, num_experts = logits.shape
+    weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=logits.device)
+    if num_tokens:
+        block_e = next_power_of_2(num_experts)
+        _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
+                                            TOP_K=int(top_k), NUM_SHARED=int(num_shared), BLOCK_E=block_e,
+                                            RENORMALIZE=bool(renormalize), num_warps=2 if block_e <= 64 else 4)
+    return weights, ids
+
+
+def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype | None = None,
+                num_shared: int = 0, renormalize: bool = True):
+    """Top-k softmax routing from the hidden states: `topk_softmax` of the router's logits
+    x @ router_weight^T (rounded to x's dtype, as the checkpoints' Linear computes them).
+
+    x: (num_tokens, hidden); router_weight: (num_experts, hidden). Returns (weights, ids), each
+    (num_tokens, top_k + num_shared), as `topk_softmax`. On the Triton path (router_weight in
+    x's dtype) a step of at most ROUTER_FUSED_MAX_TOKENS tokens runs the product split over
+    many programs and then the top-k (two launches, where cuBLAS takes two for the product
+    alone); more tokens: cuBLAS, then `topk_softmax`. Math: `reference.router_topk`. Raises
+    ValueError on bad shapes, top_k not in [1, num_experts] or num_shared < 0.
+    """
+    check(x.dim() == 2 and router_weight.dim() == 2 and router_weight.shape[1] == x.shape[1],
+          lambda: f"x must be (num_tokens, hidden) and router_weight (num_experts, {x.shape[-1]})")
+    _check_routing(router_weight.shape[0], top_k, num_shared)
+    out_dtype = out_dtype or x.dtype
+    if not (use_triton(x) and router_weight.dtype == x.dtype):
+        return reference.router_topk(x, router_weight, top_k, out_dtype, num_shared, renormalize)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    router_weight = router_weight.contiguous()
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
-    block_e = _next_pow2(num_experts)
-    if num_tokens > ROUTER_FUSED_MAX_TOKENS or block_e > 1024:
-        return topk_softmax_triton(torch.nn.functional.linear(x, router_weight), top_k, out_dtype, num_shared,
-                                   renormalize)
+    block_e = next_power_of_2(num_experts)
+    if num_tokens > ROUTER_FUSED_MAX_TOKENS or block_e > TOPK_MAX_EXPERTS:
+        return topk_softmax(torch.nn.functional.linear(x, router_weight), top_k, out_dtype, num_shared, renormalize)
     weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=x.device)
     ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=x.device)
     if num_tokens:
@@ -289,26 +337,9 @@ def router_topk_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
         _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, be), splits)](
             x, router_weight, part, hidden, num_experts, x.stride(0), router_weight.stride(0), BLOCK_E=be, BLOCK_H=bh)
         _router_topk_kernel[(num_tokens,)](
-            part, weights, ids, num_experts, splits, OUT_DTYPE=_TL_DTYPES[x.dtype], TOP_K=int(top_k),
+            part, weights, ids, num_experts, splits, OUT_DTYPE=TL_DTYPES[x.dtype], TOP_K=int(top_k),
             NUM_SHARED=int(num_shared), BLOCK_E=block_e, RENORMALIZE=bool(renormalize),
             num_warps=2 if block_e <= 64 else 4)
-    return weights, ids
-
-
-def topk_softmax_triton(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0,
-                        renormalize: bool = True):
-    """logits: (num_tokens, num_experts), stride 1 along experts -> (weights (num_tokens,
-    top_k + num_shared) in out_dtype, ids (num_tokens, top_k + num_shared) int32): the routed
-    experts, then num_shared always-on ones (num_experts + j, weight 1). One program per token.
-    renormalize: a softmax over the top_k (True) or over all experts (False)."""
-    num_tokens, num_experts = logits.shape
-    weights = torch.empty(num_tokens, top_k + num_shared, dtype=out_dtype, device=logits.device)
-    ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int32, device=logits.device)
-    if num_tokens:
-        block_e = _next_pow2(num_experts)
-        _topk_softmax_kernel[(num_tokens,)](logits, weights, ids, num_experts, logits.stride(0),
-                                            TOP_K=int(top_k), NUM_SHARED=int(num_shared), BLOCK_E=block_e,
-                                            RENORMALIZE=bool(renormalize), num_warps=2 if block_e <= 64 else 4)
     return weights, ids
 
 
@@ -342,7 +373,7 @@ def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials=False):
         part.stride(0), part.stride(1), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_N=bn, BLOCK_I=bi2)
     if as_partials:  # (top_k, num_tokens, hidden): the consumer adds the weighted pairs
         return y.view(num_tokens, top_k, hidden).transpose(0, 1)
-    block = min(1024, _next_pow2(hidden))
+    block = min(1024, next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, ids, y, add if add is not None else out, out, hidden, y.stride(0),
         add.stride(0) if add is not None else 0, out.stride(0), TOP_K=top_k, GATHER=False,
@@ -425,61 +456,69 @@ def _grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> b
     )
 
 
-def fused_moe_triton(
+def fused_moe(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    add: torch.Tensor | None = None,
+    as_partials: bool = False,
     *,
     impl: str | None = None,
     out: torch.Tensor | None = None,
-    add: torch.Tensor | None = None,
-    as_partials: bool = False,
 ) -> torch.Tensor:
-    """SiLU-gated mixture of experts over top-k routed tokens, as grouped matrix products.
+    """SiLU-gated mixture of experts over top-k routed tokens (the MoE families' expert layers).
 
-    hidden_states: (num_tokens, hidden) float32/float16/bfloat16; w1: (num_experts,
-    2 * inter, hidden), gate rows then up rows; w2: (num_experts, hidden, inter), both in
-    hidden_states' dtype; topk_weights: (num_tokens, top_k) float; topk_ids: (num_tokens,
-    top_k) int, values in [0, num_experts) (not checked: that would sync the host).
-    impl: None chooses ("direct" for at most DIRECT_MAX_PAIRS routed pairs, else "grouped_mm"
-    where usable, else "triton"); tests and benchmarks force one.
-    out: optional preallocated (num_tokens, hidden) result in hidden_states' dtype, stride 1.
-    add: optional (num_tokens, hidden) tensor (stride 1 along hidden) added to the result in
-    float32 before the one rounding (a shared expert's output: no separate add kernel).
-    Returns (num_tokens, hidden) in hidden_states' dtype; with as_partials=True (and no add),
-    (num_parts, num_tokens, hidden) terms whose sum is the result, for a consumer that adds
-    them itself (`fused_add_rms_norm`): the direct path's weighted pairs in float32, no
-    combine launch; other paths return the result as one part.
+    hidden_states: (num_tokens, hidden); w1: (num_experts, 2 * inter, hidden), gate rows then
+    up rows; w2: (num_experts, hidden, inter); topk_weights: (num_tokens, top_k) float;
+    topk_ids: (num_tokens, top_k) int, values in [0, num_experts) (not checked: that would
+    sync the host). add: optional (num_tokens, hidden) tensor added in float32 before the one
+    rounding (a shared expert's output: no separate add kernel). as_partials: return
+    (num_parts, num_tokens, hidden) terms whose sum is the result, for `fused_add_rms_norm`
+    to add (the direct path's weighted pairs in float32, no combine launch; other paths and
+    the reference return the result as one part). out: optional preallocated (num_tokens,
+    hidden) result in hidden_states' dtype, stride 1 along hidden.
+    The Triton path takes float32/float16/bfloat16 with w1, w2 in hidden_states' dtype and add
+    with stride 1 along hidden; impl forces its way (tests, benchmarks): "direct" (per routed
+    pair, chosen for at most DIRECT_MAX_PAIRS pairs), "grouped_mm" (torch._grouped_mm, CUDA
+    bfloat16, chosen where usable) or "triton" (our grouped GEMM); None chooses.
+    Returns (num_tokens, hidden) in hidden_states' dtype (or the partials, see as_partials).
     Math: out[t] = sum_k w[t, k] * w2[e] (silu(g) * u), [g; u] = w1[e] x_t, e = ids[t, k]
     (Shazeer et al. 2017 top-k routing, GLU variants: Shazeer 2020); `reference.fused_moe`.
-    Raises ValueError on bad shapes or dtypes.
+    Raises ValueError on inconsistent shapes, non-integer topk_ids, an unknown impl, and on the
+    Triton path on dtypes or strides it does not take or an impl that cannot run here.
     """
-    if hidden_states.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
-        raise ValueError("hidden_states must be (num_tokens, hidden), w1 and w2 (num_experts, ., .)")
+    check(hidden_states.dim() == 2, "hidden_states must be (num_tokens, hidden)")
+    check(w1.dim() == 3 and w2.dim() == 3, "w1 and w2 must be (num_experts, ., .)")
     num_tokens, hidden = hidden_states.shape
     num_experts, two_inter, _ = w1.shape
     inter = two_inter // 2
-    if w1.shape[2] != hidden or two_inter % 2 or w2.shape != (num_experts, hidden, inter):
-        raise ValueError(f"w1 must be (E, 2 * inter, {hidden}) and w2 (E, {hidden}, inter), got {tuple(w1.shape)}, {tuple(w2.shape)}")
-    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
-        raise ValueError(f"topk_ids and topk_weights must be ({num_tokens}, top_k)")
-    if topk_ids.dtype.is_floating_point:
-        raise ValueError("topk_ids must be an integer tensor")
-    if w1.dtype != hidden_states.dtype or w2.dtype != hidden_states.dtype:
-        raise ValueError(f"w1, w2 must have hidden_states' dtype {hidden_states.dtype}, got {w1.dtype}, {w2.dtype}")
-    if impl not in (None, "direct", "grouped_mm", "triton"):
-        raise ValueError(f"impl must be None, 'direct', 'grouped_mm' or 'triton', got {impl!r}")
-    if impl == "grouped_mm" and not _grouped_mm_usable(hidden_states, w1, w2):
-        raise ValueError("torch._grouped_mm is not usable here (needs CUDA bf16, sizes multiple of 8)")
+    check(w1.shape[2] == hidden and two_inter % 2 == 0 and w2.shape == (num_experts, hidden, inter),
+          lambda: f"w1 must be (E, 2 * inter, {hidden}) and w2 (E, {hidden}, inter), got {tuple(w1.shape)}, "
+                  f"{tuple(w2.shape)}")
+    check(topk_ids.dim() == 2 and topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens,
+          lambda: f"topk_ids and topk_weights must be ({num_tokens}, top_k)")
+    check(not topk_ids.dtype.is_floating_point and topk_ids.dtype != torch.bool,
+          lambda: f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    check(add is None or add.shape == hidden_states.shape, lambda: f"add must be ({num_tokens}, {hidden})")
+    check(out is None or (out.shape == hidden_states.shape and out.dtype == hidden_states.dtype and out.stride(1) == 1),
+          lambda: f"out must be ({num_tokens}, {hidden}) {hidden_states.dtype} with stride 1 along hidden")
+    check(impl in (None, "direct", "grouped_mm", "triton"),
+          lambda: f"impl must be None, 'direct', 'grouped_mm' or 'triton', got {impl!r}")
+    if not use_triton(hidden_states):
+        check(impl is None, lambda: f"impl={impl!r} picks a Triton path; the reference backend has one")
+        result = reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add)
+        result = result if out is None else out.copy_(result)
+        return result[None] if as_partials else result
+    check(w1.dtype == hidden_states.dtype and w2.dtype == hidden_states.dtype,
+          lambda: f"w1, w2 must have hidden_states' dtype {hidden_states.dtype}, got {w1.dtype}, {w2.dtype}")
+    check(impl != "grouped_mm" or _grouped_mm_usable(hidden_states, w1, w2),
+          "torch._grouped_mm is not usable here (needs CUDA bf16, sizes multiple of 8)")
+    check(add is None or add.stride(1) == 1, "add must have stride 1 along hidden")
     top_k = topk_ids.shape[1]
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=hidden_states.dtype, device=hidden_states.device)
-    elif out.shape != hidden_states.shape or out.dtype != hidden_states.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be {tuple(hidden_states.shape)} {hidden_states.dtype} with stride 1 along hidden")
-    if add is not None and (add.shape != (num_tokens, hidden) or add.stride(1) != 1):
-        raise ValueError(f"add must be ({num_tokens}, {hidden}) with stride 1 along hidden")
     if num_tokens == 0 or top_k == 0:
         out = out.copy_(add) if add is not None else out.zero_()
         return out[None] if as_partials else out
@@ -502,7 +541,7 @@ def fused_moe_triton(
         x_sorted = x.index_select(0, token_of)  # (M, hidden)
         h = torch._grouped_mm(x_sorted, w1.transpose(1, 2), offs=offs_end)  # (M, 2 * inter)
         act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
-        block = min(1024, _next_pow2(inter))
+        block = min(1024, next_power_of_2(inter))
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](h, act, inter, h.stride(0), act.stride(0), BLOCK=block)
         y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs_end)  # (M, hidden)
     else:
@@ -510,7 +549,7 @@ def fused_moe_triton(
         y = _grouped_gemm(act, None, w2, offs, num_rows, False, x.dtype)  # (M, hidden)
 
     weights = topk_weights.contiguous()
-    block = min(1024, _next_pow2(hidden))
+    block = min(1024, next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
         y, inv, weights, add if add is not None else out, out, hidden, y.stride(0),
         add.stride(0) if add is not None else 0, out.stride(0), TOP_K=top_k, GATHER=True, HAS_ADD=add is not None,

@@ -1,10 +1,12 @@
-"""Plain PyTorch twins of every op in `mambaserve.ops`.
+"""Plain PyTorch twins of every op in `mambaserve.ops`: the math of each op.
 
 They are the test oracle for the Triton kernels and the implementation used on the CPU. They
 are written to be obviously right, not fast: a Python loop over the sequences of a packed batch,
-float32 arithmetic (float64 when the inputs are float64), no fusion.
+float32 arithmetic (float64 when the inputs are float64), no fusion. Each op's arguments,
+shapes, dtypes and errors are stated once, in its launcher (`mambaserve.ops.<file>.<op>`,
+which checks them before calling the twin); here only the math.
 
-Conventions shared by all ops (see `mambaserve.ops` for the full argument lists):
+Conventions shared by all ops:
 - a packed batch holds sequence i in rows `query_start_loc[i]:query_start_loc[i+1]`;
 - `state_indices[i]` names the slot of the state pool that sequence i reads and writes;
   -1 marks a padding entry: its output rows are computed as if it had no initial state, and
@@ -46,26 +48,12 @@ def _sequences(query_start_loc: torch.Tensor, num_rows: int | None = None):
         yield i, bounds[i], bounds[i + 1]
 
 
-def causal_conv1d(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """Depthwise causal conv1d over a packed batch, continuing from per-sequence conv states.
-
-    Shapes: x (num_tokens, dim); weight (dim, width); bias (dim,) or None;
-    conv_states (num_slots, width - 1, dim), updated in place; query_start_loc (batch + 1,);
-    state_indices (batch,); has_initial_state (batch,) bool. Returns (num_tokens, dim), x.dtype.
-
-    Math: out[t, d] = act(bias[d] + sum_k weight[d, k] * xs[t + k, d]) where xs is the sequence
-    preceded by its width - 1 previous inputs (the conv state, or zeros). The slot then holds
-    the last width - 1 rows of xs (Mamba2 paper, section 7: the short convolution on x, B, C).
-    """
+def causal_conv1d(x, weight, bias, conv_states, query_start_loc, state_indices, has_initial_state,
+                  activation="silu"):
+    """The math of `causal_conv1d`, see `ops.conv1d.causal_conv1d`: out[t, d] = act(bias[d] +
+    sum_k weight[d, k] * xs[t + k, d]) where xs is the sequence preceded by its width - 1
+    previous inputs (the conv state, or zeros). The slot then holds the last width - 1 rows of
+    xs (Mamba2 paper, section 7: the short convolution on x, B, C)."""
     width = weight.shape[1]
     cdt = _compute_dtype(x)
     out = torch.empty_like(x)
@@ -87,17 +75,9 @@ def causal_conv1d(
     return out
 
 
-def causal_conv1d_update(
-    x: torch.Tensor,
-    conv_states: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    state_indices: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """One decode token per sequence: `causal_conv1d` with every sequence of length 1 and an
-    initial state. x: (batch, dim); conv_states (num_slots, width - 1, dim) updated in place;
-    state_indices (batch,). Returns (batch, dim), x.dtype."""
+def causal_conv1d_update(x, conv_states, weight, bias, state_indices, activation="silu"):
+    """The math of `causal_conv1d_update`, see `ops.conv1d.causal_conv1d_update`: `causal_conv1d`
+    with every sequence of length 1 and an initial state."""
     batch = x.shape[0]
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=x.device)
     has_init = torch.ones(batch, dtype=torch.bool, device=x.device)
@@ -167,34 +147,12 @@ def _expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
     return t.repeat_interleave(nheads // t.shape[1], dim=1)
 
 
-def mamba_chunk_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    chunk_size: int,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    dt_softplus: bool = True,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-) -> torch.Tensor:
-    """Mamba2 selective scan over a packed batch, from and into the SSM state pool.
-
-    Shapes: x (num_tokens, nheads, headdim); dt (num_tokens, nheads); A (nheads,);
-    B, C (num_tokens, ngroups, dstate); D (nheads,) or None; z like x or None;
-    dt_bias (nheads,) or None; ssm_states (num_slots, nheads, headdim, dstate) updated in place.
-    Returns y like x.
-
-    Math (Mamba2 paper, sections 3 and 6): dt' = clamp(softplus(dt + dt_bias), dt_limit);
-    h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T; y_t = h_t C_t + D x_t; y *= silu(z).
-    Computed per sequence with the chunked SSD algorithm in float32 (float64 for float64 x).
-    """
+def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
+                   has_initial_state, dt_softplus=True, dt_limit=(0.0, math.inf)):
+    """The math of `ssd_chunk_scan` (Mamba2), see `ops.ssd.ssd_chunk_scan` (Mamba2 paper,
+    sections 3 and 6): dt' = clamp(softplus(dt + dt_bias), dt_limit); h_t = exp(dt'_t A) h_{t-1}
+    + dt'_t x_t B_t^T; y_t = h_t C_t + D x_t; y *= silu(z). Computed per sequence with the
+    chunked SSD algorithm in float32 (float64 for float64 x)."""
     cdt = _compute_dtype(x)
     nheads = x.shape[1]
     dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)  # (T, H)
@@ -225,27 +183,10 @@ def mamba_chunk_scan(
     return y.to(x.dtype)
 
 
-def selective_state_update(
-    ssm_states: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    state_indices: torch.Tensor,
-    dt_softplus: bool = True,
-    dt_limit: tuple[float, float] = (0.0, math.inf),
-) -> torch.Tensor:
-    """One recurrence step per sequence (decode), in place on the state pool by index.
-
-    Shapes: ssm_states (num_slots, nheads, headdim, dstate); x (batch, nheads, headdim);
-    dt (batch, nheads); A (nheads,); B, C (batch, ngroups, dstate); D (nheads,) or None;
-    z like x or None; dt_bias (nheads,) or None; state_indices (batch,), -1 = padding.
-    Returns y like x. Math as in `mamba_chunk_scan` for a single step.
-    """
+def ssd_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus=True,
+                     dt_limit=(0.0, math.inf)):
+    """The math of `ssd_state_update` (Mamba2 decode), see `ops.state_update.ssd_state_update`:
+    `ssd_chunk_scan`'s recurrence for a single step."""
     cdt = _compute_dtype(x)
     nheads = x.shape[1]
     dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)  # (batch, H)
@@ -268,32 +209,13 @@ def selective_state_update(
     return y.to(x.dtype)
 
 
-def selective_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    ssm_states: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    state_indices: torch.Tensor,
-    has_initial_state: torch.Tensor,
-    dt_softplus: bool = True,
-) -> torch.Tensor:
-    """Mamba-1 selective scan over a packed batch, from and into the SSM state pool.
-
-    Shapes: x, dt (num_tokens, dim); A (dim, dstate); B, C (num_tokens, dstate); D, dt_bias
-    (dim,) or None; z (num_tokens, dim) or None; ssm_states (num_slots, dim, dstate) updated in
-    place. Returns y (num_tokens, dim), x.dtype; rows past query_start_loc[-1] are unwritten.
-
-    Math (Mamba paper, Gu & Dao 2023, section 3, Algorithm 2; zero-order hold on A, Euler on
-    B): dt' = softplus(dt + dt_bias); h_t = exp(dt'_t A) * h_{t-1} + (dt'_t x_t) B_t (h: (dim,
-    dstate)); y_t = h_t C_t + D x_t; y *= silu(z). A token loop per sequence, in float32
-    (float64 for float64 x).
-    """
+def selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state,
+                   dt_softplus=True):
+    """The math of `selective_scan` (Mamba-1), see `ops.mamba1_scan.selective_scan` (Mamba paper,
+    Gu & Dao 2023, section 3, Algorithm 2; zero-order hold on A, Euler on B): dt' =
+    softplus(dt + dt_bias); h_t = exp(dt'_t A) * h_{t-1} + (dt'_t x_t) B_t (h: (dim, dstate));
+    y_t = h_t C_t + D x_t; y *= silu(z). A token loop per sequence, in float32 (float64 for
+    float64 x)."""
     cdt = _compute_dtype(x)
     dtp = _process_dt(dt, dt_bias, dt_softplus, (0.0, math.inf), cdt)  # (T, dim)
     xc, Bc, Cc, Ac = x.to(cdt), B.to(cdt), C.to(cdt), A.to(cdt)
@@ -316,44 +238,21 @@ def selective_scan(
     return y.to(x.dtype)
 
 
-def selective_scan_update(
-    ssm_states: torch.Tensor,
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    D: torch.Tensor | None,
-    z: torch.Tensor | None,
-    dt_bias: torch.Tensor | None,
-    state_indices: torch.Tensor,
-    dt_softplus: bool = True,
-) -> torch.Tensor:
-    """One Mamba-1 recurrence step per sequence (decode): `selective_scan` with every sequence
-    of length 1 and an initial state. ssm_states (num_slots, dim, dstate) updated in place;
-    x, dt, z (batch, dim); A (dim, dstate); B, C (batch, dstate); D, dt_bias (dim,) or None;
-    state_indices (batch,), -1 = padding. Returns y (batch, dim), x.dtype."""
+def selective_scan_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus=True):
+    """The math of `selective_scan_update` (Mamba-1 decode), see
+    `ops.mamba1_scan.selective_scan_update`: `selective_scan` with every sequence of length 1
+    and an initial state."""
     batch = x.shape[0]
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=x.device)
     has_init = torch.ones(batch, dtype=torch.bool, device=x.device)
     return selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states, qsl, state_indices, has_init, dt_softplus)
 
 
-def rms_norm_gated(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    z: torch.Tensor | None,
-    eps: float,
-    group_size: int,
-    norm_before_gate: bool = False,
-) -> torch.Tensor:
-    """Gated RMSNorm over groups of features (Mamba2 paper, section 7.2, "extra normalization").
-
-    x, z: (num_tokens, hidden); weight: (hidden,); hidden % group_size == 0.
-    norm_before_gate=False: out = weight * rmsnorm_g(x * silu(z)); True: weight * rmsnorm_g(x) * silu(z),
-    where rmsnorm_g divides each group of group_size features by its root mean square.
-    Returns (num_tokens, hidden), x.dtype.
-    """
+def rms_norm_gated(x, weight, z, eps, group_size, norm_before_gate=False):
+    """The math of `rms_norm_gated`, see `ops.layernorm_gated.rms_norm_gated` (Mamba2 paper,
+    section 7.2, "extra normalization"): norm_before_gate=False: weight * rmsnorm_g(x * silu(z));
+    True: weight * rmsnorm_g(x) * silu(z), where rmsnorm_g divides each group of group_size
+    features by its root mean square."""
     cdt = _compute_dtype(x)
     h = x.to(cdt)
     if z is not None and not norm_before_gate:
@@ -367,21 +266,11 @@ def rms_norm_gated(
     return h.to(x.dtype)
 
 
-def fused_add_rms_norm(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    alpha: float = 1.0,
-) -> torch.Tensor:
-    """The residual stream's add and the next RMSNorm (Zhang & Sennrich 2019) in one op.
-
-    x, residual: (num_tokens, hidden); weight: (hidden,). residual is updated in place to
-    residual + alpha * x, rounded once to residual's dtype (as `torch.add(residual, x,
-    alpha=alpha)`); returns weight * rmsnorm(updated residual), computed in float32, in x.dtype.
-    x may also be (num_parts, num_tokens, hidden) partial sums of the added term (summed in
-    order in float32; the result is then in residual's dtype).
-    """
+def fused_add_rms_norm(x, residual, weight, eps, alpha=1.0):
+    """The math of `fused_add_rms_norm`, see `ops.layernorm_gated.fused_add_rms_norm` (RMSNorm:
+    Zhang & Sennrich 2019): residual <- residual + alpha * x, rounded once to residual's dtype
+    (as `torch.add(residual, x, alpha=alpha)`; partial sums are first added in order in
+    float32), then weight * rmsnorm(residual) in float32."""
     if x.dim() == 3:  # partial sums: added in order in float32, then rounded once with the residual
         total = x[0].to(_compute_dtype(x))
         for part in x[1:]:
@@ -393,27 +282,17 @@ def fused_add_rms_norm(
 
 
 def linear_partials(x: torch.Tensor, weight: torch.Tensor, num_splits: int = 1) -> torch.Tensor:
-    """x @ weight^T as num_splits partial sums over equal slices of K, in float32 (float64 for
-    float64 input). x: (num_tokens, K); weight: (N, K). Returns (num_splits, num_tokens, N)."""
+    """The math of `linear_partials`, see `ops.gemv.linear_partials`: x @ weight^T as num_splits
+    partial sums over equal slices of K, in float32 (float64 for float64 input)."""
     cdt = _compute_dtype(x)
     K = x.shape[1]
     bounds = [K * i // num_splits for i in range(num_splits + 1)]
     return torch.stack([x[:, a:b].to(cdt) @ weight[:, a:b].to(cdt).t() for a, b in zip(bounds, bounds[1:])])
 
 
-def reshape_and_cache(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write new keys and values into the paged cache.
-
-    k, v: (num_tokens, num_kv_heads, head_dim); k_cache, v_cache: (num_blocks, block_size,
-    num_kv_heads, head_dim); slot_mapping: (num_tokens,) with slot = block * block_size + offset,
-    -1 for a token that must not be cached (padding).
-    """
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
+    """The math of `reshape_and_cache`, see `ops.attention.reshape_and_cache`: cache row
+    slot = block * block_size + offset of each token gets its k and v; slot -1 is skipped."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
@@ -421,24 +300,11 @@ def reshape_and_cache(
     v_cache[slots // block_size, slots % block_size] = v[valid].to(v_cache.dtype)
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of a packed batch over the paged KV cache (new tokens already cached).
-
-    q: (num_tokens, num_heads, head_dim); caches (num_blocks, block_size, num_kv_heads, head_dim);
-    block_table: (batch, max_blocks_per_seq) int32; seq_lens: (batch,) tokens in context after
-    this step (cached prefix + new); query_start_loc: (batch + 1,). The j-th new token of a
-    sequence sits at position seq_len - num_new + j and sees keys 0..that position.
-    softmax(scale * q k^T) v in float32 (Attention Is All You Need, section 3.2.1), GQA: query
-    head h reads kv head h // (num_heads // num_kv_heads). Returns (num_tokens, num_heads, head_dim).
-    """
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+    """The math of `paged_attention`, see `ops.attention.paged_attention`: the j-th new token of
+    a sequence sits at position seq_len - num_new + j and sees keys 0..that position;
+    softmax(scale * q k^T) v in float32 (Attention Is All You Need, section 3.2.1), query head
+    h reading kv head h // (num_heads // num_kv_heads)."""
     cdt = _compute_dtype(q)
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -468,22 +334,10 @@ def paged_attention(
     return out
 
 
-def fused_moe(
-    hidden_states: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    add: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Mixture of SiLU-gated experts (Shazeer et al. 2017, top-k routing; GLU: Shazeer 2020).
-
-    hidden_states: (num_tokens, hidden); w1: (num_experts, 2 * inter, hidden), rows [gate; up];
-    w2: (num_experts, hidden, inter); topk_weights: (num_tokens, top_k) float;
-    topk_ids: (num_tokens, top_k) int. out[t] = sum_k topk_weights[t, k] * expert_{ids[t,k]}(x_t)
-    with expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x, plus `add` (num_tokens,
-    hidden) when given (a shared expert's output), rounded once. Returns (num_tokens, hidden).
-    """
+def fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add=None):
+    """The math of `fused_moe`, see `ops.moe.fused_moe` (Shazeer et al. 2017, top-k routing;
+    GLU: Shazeer 2020): out[t] = sum_k topk_weights[t, k] * expert_{ids[t,k]}(x_t) with
+    expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x, plus `add` when given, rounded once."""
     cdt = _compute_dtype(hidden_states)
     x = hidden_states.to(cdt)
     out = torch.zeros_like(x) if add is None else add.to(cdt).clone()
@@ -497,31 +351,26 @@ def fused_moe(
     return out.to(hidden_states.dtype)
 
 
-def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dtype: torch.dtype,
-                num_shared: int = 0, renormalize: bool = True):
-    """The router's logits x @ router_weight^T (in x's dtype, as the checkpoints' Linear
-    computes them), then `topk_softmax`. x: (num_tokens, hidden); router_weight: (num_experts,
-    hidden). Returns (weights, ids), each (num_tokens, top_k + num_shared)."""
+def router_topk(x, router_weight, top_k, out_dtype, num_shared=0, renormalize=True):
+    """The math of `router_topk`, see `ops.moe.router_topk`: the router's logits
+    x @ router_weight^T (in x's dtype, as the checkpoints' Linear computes them), then
+    `topk_softmax`."""
     return topk_softmax(F.linear(x, router_weight), top_k, out_dtype, num_shared, renormalize)
 
 
-def silu_and_mul(h: torch.Tensor) -> torch.Tensor:
-    """h: (num_rows, 2 * inter) -> silu(h[:, :inter]) * h[:, inter:] (GLU variants, Shazeer 2020),
-    computed in float32 (float64 for float64 input), returned in h.dtype."""
+def silu_and_mul(h):
+    """The math of `silu_and_mul`, see `ops.activation.silu_and_mul`: silu(h[:, :inter]) *
+    h[:, inter:] (GLU variants, Shazeer 2020), in float32 (float64 for float64 input)."""
     cdt = _compute_dtype(h)
     gate, up = h.to(cdt).chunk(2, dim=-1)
     return (F.silu(gate) * up).to(h.dtype)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, out_dtype: torch.dtype, num_shared: int = 0,
-                 renormalize: bool = True):
-    """Top-k routing (Shazeer et al. 2017): the top_k largest logits of each row, in float32, and
-    a softmax over just those (renormalize=True); with renormalize=False the weights are the
-    chosen entries of the softmax over all experts (Jamba's router), which sum to less than 1.
-    logits: (num_tokens, num_experts). Returns (weights (num_tokens, top_k + num_shared) in
-    out_dtype, ids (num_tokens, top_k + num_shared) int64), largest first, then num_shared
-    always-on experts num_experts .. num_experts + num_shared - 1 with weight 1 (a shared
-    expert stored as extra experts)."""
+def topk_softmax(logits, top_k, out_dtype, num_shared=0, renormalize=True):
+    """The math of `topk_softmax`, see `ops.moe.topk_softmax` (Shazeer et al. 2017): the top_k
+    largest logits of each row, in float32, and a softmax over just those (renormalize=True)
+    or their entries of the softmax over all experts (False); ids int64, largest first, then
+    the num_shared always-on experts num_experts + j with weight 1."""
     full = logits.to(_compute_dtype(logits))
     values, ids = full.topk(top_k, dim=-1)
     if renormalize:

@@ -1,8 +1,9 @@
-"""Triton kernels for the Mamba2 SSD chunked scan over variable-length packed sequences.
+"""The Mamba2 SSD chunked scan over variable-length packed sequences: op `ssd_chunk_scan`, its
+Triton kernels and launcher (the decode step is `state_update.ssd_state_update`).
 
 The algorithm is the Mamba2 paper's (Dao & Gu, "Transformers are SSMs", section 6 and the
 minimal SSD listing), with every chunk inside one sequence (chunk boundaries per sequence are
-host metadata, `mambaserve.ops.varlen.ssd_chunks`). Four launches:
+the step's plan, `varlen.SsdChunks`). Four launches:
 
 1. `_chunk_state_kernel`, grid (chunks, heads, p/n blocks): dt' = clamp(softplus(dt +
    dt_bias), dt_limit), the in-chunk cumulative sum of dt' A (stored for steps 3 and 4), and
@@ -20,7 +21,7 @@ host metadata, `mambaserve.ops.varlen.ssd_chunks`). Four launches:
    the diagonal blocks take pairwise exponentials; the rows before a block share one factor.
 
 A state index of -1 marks padding: that sequence starts from a zero state and no slot is read or
-written. Semantics: `mambaserve.ops.reference.mamba_chunk_scan`. The kernels write the state
+written. Math: `reference.ssd_chunk_scan`. The kernels write the state
 pool in place, so their configs are fixed (tuned offline with benchmarks/kernels.py).
 This module knows nothing about models or the engine.
 """
@@ -30,10 +31,18 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
-from mambaserve.ops.state_update import _process_dt, dt_limit_args
+from mambaserve.ops import reference
+from mambaserve.ops.common import (
+    TL_DTYPES,
+    check,
+    check_batch,
+    check_positive_int,
+    dt_limit_args,
+    next_power_of_2,
+    process_dt,
+)
+from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.varlen import SsdChunks, read_offsets, ssd_chunks
 
 # Fixed launch configs; block sizes are capped by the problem's own sizes at launch.
@@ -94,7 +103,7 @@ def _chunk_state_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < chunk_len
         dt = tl.load(dt_ptr + (start + k) * stride_dt_t + h * stride_dt_h, mask=k_mask, other=0.0).to(tl.float32)
-        dt = tl.where(k_mask, _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
+        dt = tl.where(k_mask, process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
         dA = dt * A
         cs = cs_carry + tl.cumsum(dA, axis=0)
         tl.store(dt_out_ptr + t_base + k, dt, mask=k < k_write)
@@ -114,7 +123,7 @@ def _chunk_state_kernel(
         k_mask = k < chunk_len
         rows = start + k
         dt = tl.load(dt_ptr + rows * stride_dt_t + h * stride_dt_h, mask=k_mask, other=0.0).to(tl.float32)
-        dt = tl.where(k_mask, _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
+        dt = tl.where(k_mask, process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
         dA = dt * A
         cs = cs_carry + tl.cumsum(dA, axis=0)
         cs_carry = tl.sum(tl.where(k == tl.minimum(k0 + BLOCK_K, chunk_len) - 1, cs, 0.0), axis=0)
@@ -325,13 +334,27 @@ def _chunk_scan_kernel(
 def _block(cap: int, size: int) -> int:
     """A power-of-two block no larger than cap nor than size rounded up, and at least 16
     (the smallest tl.dot operand)."""
-    return max(16, min(cap, triton.next_power_of_2(size)))
+    return max(16, min(cap, next_power_of_2(size)))
 
 
-_DOT_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+def check_ssd_operands(x, dt, A, B, C, D, z, dt_bias, ssm_states) -> None:
+    """The operands both SSD ops share (shapes in `ssd_chunk_scan`). Raises ValueError on bad ones."""
+    check(x.dim() == 3, lambda: f"x must be (tokens, nheads, headdim), got {tuple(x.shape)}")
+    T, H, P = x.shape
+    check(dt.shape == (T, H), lambda: f"dt must be ({T}, {H}), got {tuple(dt.shape)}")
+    check(A.shape == (H,), lambda: f"A must be ({H},), got {tuple(A.shape)}")
+    check(B.dim() == 3 and B.shape[0] == T and C.shape == B.shape,
+          lambda: f"B and C must be ({T}, ngroups, dstate), got {tuple(B.shape)} and {tuple(C.shape)}")
+    G, N = B.shape[1], B.shape[2]
+    check(H % G == 0, lambda: f"nheads ({H}) must be a multiple of ngroups ({G})")
+    check(D is None or D.shape == (H,), lambda: f"D must be ({H},)")
+    check(dt_bias is None or dt_bias.shape == (H,), lambda: f"dt_bias must be ({H},)")
+    check(z is None or z.shape == x.shape, "z must have the shape of x")
+    check(ssm_states.dim() == 4 and ssm_states.shape[1:] == (H, P, N),
+          lambda: f"ssm_states must be (num_slots, {H}, {P}, {N}), got {tuple(ssm_states.shape)}")
 
 
-def mamba_chunk_scan_triton(
+def ssd_chunk_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -349,40 +372,51 @@ def mamba_chunk_scan_triton(
     dt_limit: tuple[float, float] = (0.0, math.inf),
     chunks: SsdChunks | None = None,
 ) -> torch.Tensor:
-    """The SSD chunked scan of a packed batch, reading and writing the SSM state pool.
+    """The Mamba2 SSD scan over variable-length packed sequences, with state pool I/O (Mamba2
+    prefill and mixed steps; Mamba-1 is `selective_scan`).
 
     x: (num_tokens, nheads, headdim); dt: (num_tokens, nheads); A: (nheads,) float32;
-    B, C: (num_tokens, ngroups, dstate); D, dt_bias: (nheads,) or None; z: like x or None;
-    ssm_states: (num_slots, nheads, headdim, dstate) float32/bfloat16/float16, read where
-    has_initial_state and overwritten with each sequence's final state; query_start_loc:
-    (batch + 1,) int32; state_indices: (batch,) int32, -1 = padding; has_initial_state:
-    (batch,) bool. All activations may have any strides (views into in_proj's output).
-    chunks: the step's chunk boundaries (`varlen.ssd_chunks` for this chunk_size); None builds
-    them from a device read of query_start_loc (a host sync).
-    Returns y (num_tokens, nheads, headdim) in x.dtype. Float32 accumulation throughout; the
-    matrix products take bfloat16/float16 operands when x is in that dtype (float32 x: exact
-    float32 products). Semantics: `reference.mamba_chunk_scan`. Raises ValueError for x
-    not in float32/bfloat16/float16, or query_start_loc that decreases, starts below 0 or ends
-    past x's rows.
+    B, C: (num_tokens, ngroups, dstate), head h uses group h // (nheads // ngroups);
+    D, dt_bias: (nheads,) or None; z: like x or None (y is multiplied by silu(z));
+    ssm_states: (num_slots, nheads, headdim, dstate), float32/bfloat16/float16, read as the
+    initial state where has_initial_state and overwritten with each sequence's final state;
+    query_start_loc (batch + 1,) int32, state_indices (batch,) int32 (-1 = padding),
+    has_initial_state (batch,) bool. All activations may have any strides (views into
+    in_proj's output). chunk_size: a positive int, the kernels' chunk length (the result does
+    not depend on it). chunks: the step's chunk boundaries for this chunk_size
+    (`ForwardContext.ssd_chunks`, or `varlen.ssd_chunks`), used by the kernels; None builds
+    them from a device read of query_start_loc (a host sync, never inside a CUDA-graph capture).
+    Returns y like x, in x.dtype; rows past query_start_loc[-1] are left unwritten.
+    Math (Mamba2 paper, "Transformers are SSMs", section 6): dt' = clamp(softplus(dt + dt_bias),
+    dt_limit); h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T; y_t = h_t C_t + D x_t;
+    `reference.ssd_chunk_scan`. The kernels accumulate in float32; their matrix products take
+    bfloat16/float16 operands when x is in that dtype (float32 x: exact float32 products).
+    Raises ValueError on inconsistent shapes, a chunk_size that is not a positive int,
+    query_start_loc that starts below 0, decreases or ends past x's rows, and on the Triton
+    path for x not in float32/bfloat16/float16 or chunks of another size or batch.
     """
+    check_ssd_operands(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+    chunk_size = check_positive_int(chunk_size, "chunk_size")
+    batch = check_batch(query_start_loc, state_indices, has_initial_state)
+    if not use_triton(x):
+        return reference.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states, query_start_loc,
+                                        state_indices, has_initial_state, dt_softplus, dt_limit)
     num_tokens, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
-    batch = state_indices.shape[0]
     dev = x.device
-    if x.dtype not in _DOT_DTYPES:
-        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    check(x.dtype in TL_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if chunks is None:
         chunks = ssd_chunks(read_offsets(query_start_loc), chunk_size, dev)
-    if (chunks.chunk_size, chunks.batch) != (chunk_size, batch):
-        raise ValueError(f"SSD chunks of {chunks.chunk_size} for {chunks.batch} sequences; the call has "
-                         f"chunk_size {chunk_size} and {batch} sequences")
-    if chunks.num_tokens > num_tokens:
-        raise ValueError(f"query_start_loc ends at {chunks.num_tokens}, past the {num_tokens} rows of x")
+    check((chunks.chunk_size, chunks.batch) == (chunk_size, batch),
+          lambda: f"SSD chunks of {chunks.chunk_size} for {chunks.batch} sequences; the call has "
+                  f"chunk_size {chunk_size} and {batch} sequences")
+    check(chunks.num_tokens <= num_tokens,
+          lambda: f"query_start_loc ends at {chunks.num_tokens}, past the {num_tokens} rows of x")
     nc = chunks.num_chunks
     # Matrix-product operands are rounded to x's dtype (float32 x: exact float32 products).
     # The Triton interpreter multiplies bfloat16 operands as raw integers, so on CPU tensors
     # the rounded operands are multiplied in float32 instead: same numbers, same result.
-    operand_dtype = _DOT_DTYPES[x.dtype]
+    operand_dtype = TL_DTYPES[x.dtype]
     dot_dtype = operand_dtype if x.is_cuda else tl.float32
     dot_precision = "ieee" if dot_dtype == tl.float32 else "tf32"
     has_limit, lo, hi = dt_limit_args(dt_limit)
@@ -414,7 +448,8 @@ def mamba_chunk_scan_triton(
             BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         cfg = CB_CONFIG
-        bm, bk, bn = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size), _block(cfg["block_n"], dstate)
+        bm, bk = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size)
+        bn = _block(cfg["block_n"], dstate)
         grid = (nc * ngroups, triton.cdiv(chunk_size, bm), triton.cdiv(chunk_size, bk))
         _chunk_cb_kernel[grid](
             C, B, chunks.chunk_start, chunks.chunk_end, cb,
@@ -425,7 +460,7 @@ def mamba_chunk_scan_triton(
 
     cfg = PASSING_CONFIG
     state_size = headdim * dstate
-    block = min(cfg["block"], triton.next_power_of_2(state_size))
+    block = min(cfg["block"], next_power_of_2(state_size))
     grid = (triton.cdiv(state_size, block), nheads, batch)
     _state_passing_kernel[grid](
         states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
@@ -447,7 +482,7 @@ def mamba_chunk_scan_triton(
             *x.stride(), *zz.stride(), *C.stride(), *y.stride(),
             HAS_D=D is not None, HAS_Z=z is not None, OPERAND_DTYPE=operand_dtype, DOT_DTYPE=dot_dtype,
             DOT_PRECISION=dot_precision,
-            BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=max(16, triton.next_power_of_2(dstate)),
+            BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=max(16, next_power_of_2(dstate)),
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return y

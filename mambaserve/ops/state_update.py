@@ -1,4 +1,5 @@
-"""Triton kernel for the Mamba2 decode step: one SSM recurrence step per sequence, in place.
+"""The Mamba2 (SSD) decode step: op `ssd_state_update`, one SSM recurrence step per sequence in
+place on the state pool, its Triton kernel and launcher.
 
 Each program owns a (block_p, dstate) tile of one head of one sequence's state: it reads the
 tile from the state pool, advances it by one token, writes it back and emits the matching
@@ -6,9 +7,9 @@ tile from the state pool, advances it by one token, writes it back and emits the
 dstate per sequence, read and written once), so the kernel is a streaming read-modify-write.
 A state index of -1 marks padding: y is computed from a zero state and no slot is touched.
 
-Math: `mambaserve.ops.reference.selective_state_update` (Mamba2 paper, section 3: h_t =
-exp(dt A) h_{t-1} + dt x_t B_t^T, y_t = h_t C_t + D x_t, times silu(z)). No host metadata and
-no host sync: safe inside CUDA graphs. This module knows nothing about models or the engine.
+Math: `reference.ssd_state_update` (Mamba2 paper, section 3: h_t =
+exp(dt A) h_{t-1} + dt x_t B_t^T, y_t = h_t C_t + D x_t, times silu(z)). No plan and no host
+sync: safe inside CUDA graphs. This module knows nothing about models or the engine.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+from mambaserve.ops import reference
+from mambaserve.ops.common import check, dt_limit_args, next_power_of_2, process_dt
+from mambaserve.ops.dispatch import tl, triton, use_triton
+from mambaserve.ops.ssd import check_ssd_operands
 
 # Fixed launch config (tuned offline with benchmarks/kernels.py; never autotuned: the kernel
 # writes live state in place).
@@ -25,28 +29,7 @@ STATE_UPDATE_CONFIG = {"block_p": 16, "num_warps": 4}
 
 
 @triton.jit
-def _softplus(x):
-    # log(1 + exp(x)) like torch.nn.functional.softplus (threshold 20), accurate for x << 0
-    u = tl.exp(-tl.abs(x))
-    log1p_u = tl.where(u < 1e-4, u * (1.0 - 0.5 * u), tl.log(1.0 + u))
-    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p_u)
-
-
-@triton.jit
-def _process_dt(dt, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                HAS_DT_LIMIT: tl.constexpr, dt_min, dt_max):
-    """dt' = clamp(softplus(dt + dt_bias), dt_limit), each step optional (float32 in/out)."""
-    if HAS_DT_BIAS:
-        dt = dt + dt_bias
-    if DT_SOFTPLUS:
-        dt = _softplus(dt)
-    if HAS_DT_LIMIT:
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-    return dt
-
-
-@triton.jit
-def _selective_state_update_kernel(
+def _ssd_state_update_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, state_idx_ptr,
     nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
@@ -81,7 +64,7 @@ def _selective_state_update_kernel(
     dt_bias = 0.0
     if HAS_DT_BIAS:
         dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    dt = _process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
+    dt = process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max)
     dA = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
     Bv = tl.load(B_ptr + b * stride_B_b + g * stride_B_g + n * stride_B_n, mask=n_mask, other=0.0).to(tl.float32)
     Cv = tl.load(C_ptr + b * stride_C_b + g * stride_C_g + n * stride_C_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -99,14 +82,7 @@ def _selective_state_update_kernel(
         tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_mask, eviction_policy="evict_first")
 
 
-def dt_limit_args(dt_limit: tuple[float, float]) -> tuple[bool, float, float]:
-    """(apply the clamp, lower, upper) as the reference does: only a non-default limit clamps."""
-    lo, hi = float(dt_limit[0]), float(dt_limit[1])
-    has = lo > 0.0 or hi != math.inf
-    return has, lo, (hi if hi != math.inf else 3.0e38)
-
-
-def selective_state_update_triton(
+def ssd_state_update(
     ssm_states: torch.Tensor,
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -120,14 +96,22 @@ def selective_state_update_triton(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
 ) -> torch.Tensor:
-    """One decode step for a batch, in place on the state pool.
+    """One Mamba2 (SSD) recurrence step per sequence (decode), in place on the state pool; the
+    Mamba-1 step is `selective_scan_update`. No plan and no host sync: safe inside CUDA graphs.
 
     ssm_states: (num_slots, nheads, headdim, dstate), float32/bfloat16/float16, updated in
     place (float32 arithmetic); x: (batch, nheads, headdim); dt: (batch, nheads); A: (nheads,);
     B, C: (batch, ngroups, dstate); D, dt_bias: (nheads,) or None; z: like x or None;
-    state_indices: (batch,) int32, -1 = padding. Any strides. Returns y (batch, nheads,
-    headdim) in x.dtype. Semantics: `reference.selective_state_update`.
+    state_indices: (batch,) int32, -1 = padding (y from a zero state, no slot touched). Any
+    strides. Returns y (batch, nheads, headdim) in x.dtype. Math: `ssd_chunk_scan`'s, one
+    step; `reference.ssd_state_update`. Raises ValueError on inconsistent shapes.
     """
+    check_ssd_operands(x, dt, A, B, C, D, z, dt_bias, ssm_states)
+    check(state_indices.shape == (x.shape[0],),
+          lambda: f"state_indices must be ({x.shape[0]},), got {tuple(state_indices.shape)}")
+    if not use_triton(x):
+        return reference.ssd_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus,
+                                          dt_limit)
     batch, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     y = torch.empty((batch, nheads, headdim), dtype=x.dtype, device=x.device)
@@ -135,10 +119,10 @@ def selective_state_update_triton(
         return y
     has_limit, lo, hi = dt_limit_args(dt_limit)
     cfg = STATE_UPDATE_CONFIG
-    block_p = min(cfg["block_p"], max(16, triton.next_power_of_2(headdim)))
+    block_p = min(cfg["block_p"], max(16, next_power_of_2(headdim)))
     zz = z if z is not None else x
     grid = (triton.cdiv(headdim, block_p), nheads, batch)
-    _selective_state_update_kernel[grid](
+    _ssd_state_update_kernel[grid](
         ssm_states, x, dt, A, B, C, D if D is not None else A, zz,
         dt_bias if dt_bias is not None else A, y, state_indices,
         nheads, headdim, dstate, nheads // ngroups, lo, hi,
@@ -146,6 +130,6 @@ def selective_state_update_triton(
         *y.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
         DT_SOFTPLUS=bool(dt_softplus), HAS_DT_LIMIT=has_limit,
-        BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(dstate)), num_warps=cfg["num_warps"],
+        BLOCK_P=block_p, BLOCK_N=max(16, next_power_of_2(dstate)), num_warps=cfg["num_warps"],
     )
     return y

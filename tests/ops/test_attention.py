@@ -12,13 +12,24 @@ import torch
 
 from mambaserve import ops
 from mambaserve.ops import reference
-from mambaserve.ops.attention import paged_attention_triton, plan_paged_attention, reshape_and_cache_triton
+from mambaserve.ops.attention import plan_paged_attention
 from mambaserve.ops.varlen import check_offsets
 from tests.conftest import HAS_CUDA, nan_empty, rel_err, tolerance
 
 # Triton runs on CUDA tensors when there is a GPU, else on CPU tensors through the interpreter.
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def paged_attention_triton(*args, **kwargs):
+    """`ops.paged_attention` on its Triton path (the interpreter on CPU tensors)."""
+    with ops.backend("triton"):
+        return ops.paged_attention(*args, **kwargs)
+
+
+def reshape_and_cache_triton(*args):
+    with ops.backend("triton"):
+        return ops.reshape_and_cache(*args)
 
 
 def _mixed_specs(block_size):

@@ -61,7 +61,7 @@ def test_varlen_ops_reject_bad_query_start_loc(device, backend, qsl, match):
         with pytest.raises(ValueError, match=match):
             ops.causal_conv1d(x, w, None, states, qsl_t, idx, has)
         with pytest.raises(ValueError, match=match):
-            ops.mamba_chunk_scan(**_packed_scan(device, qsl))
+            ops.ssd_chunk_scan(**_packed_scan(device, qsl))
         with pytest.raises(ValueError, match=match):
             ops.paged_attention(**_packed_attention(device, qsl))
 
@@ -73,7 +73,7 @@ def test_varlen_ops_take_padding_rows_past_the_last_sequence(device, backend):
     x, w, states, qsl, idx, has = _packed_conv(device, [0, 1, 3])
     with ops.backend(backend):
         assert ops.causal_conv1d(x, w, None, states, qsl, idx, has).shape == x.shape
-        assert ops.mamba_chunk_scan(**_packed_scan(device, [0, 1, 3])).shape == (5, 2, 8)
+        assert ops.ssd_chunk_scan(**_packed_scan(device, [0, 1, 3])).shape == (5, 2, 8)
         assert ops.paged_attention(**_packed_attention(device, [0, 1, 3])).shape == (5, 4, 8)
 
 
@@ -133,16 +133,75 @@ def test_numpy_scalar_arguments(device, backend):
     scan_args = _packed_scan(device, [0, 2, 5])
     scan_states = scan_args["ssm_states"].clone()
     with ops.backend(backend):
-        scanned = ops.mamba_chunk_scan(**dict(scan_args, chunk_size=np.int64(4)))
+        scanned = ops.ssd_chunk_scan(**dict(scan_args, chunk_size=np.int64(4)))
         normed = ops.rms_norm_gated(x, w, None, np.float32(1e-5), np.int64(4))
         added = ops.fused_add_rms_norm(x, x.clone(), w, np.float32(1e-5))
         routed = ops.topk_softmax(logits, np.int64(2), num_shared=np.int64(1))
         routed_x = ops.router_topk(x, router, np.int64(2), num_shared=np.int64(1))
     with ops.backend("reference"):
-        assert torch.allclose(scanned, ops.mamba_chunk_scan(**dict(scan_args, ssm_states=scan_states)), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(scanned, ops.ssd_chunk_scan(**dict(scan_args, ssm_states=scan_states)), rtol=1e-4, atol=1e-5)
         assert torch.allclose(normed, ops.rms_norm_gated(x, w, None, 1e-5, 4), rtol=1e-5, atol=1e-6)
         assert torch.allclose(added, ops.fused_add_rms_norm(x, x.clone(), w, 1e-5), rtol=1e-5, atol=1e-6)
         for ours, theirs in ((routed, ops.topk_softmax(logits, 2, num_shared=1)),
                              (routed_x, ops.router_topk(x, router, 2, num_shared=1))):
             assert torch.equal(ours[1].long(), theirs[1].long())
             assert torch.allclose(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+
+
+def _bad_calls(device):
+    """(name, a call with one bad argument, the words its ValueError must name), one or more
+    per launcher: each op states its checks once, for both backends."""
+    d = dict(device=device)
+    x2, w8 = torch.randn(3, 8, **d), torch.randn(8, **d)
+    scan = _packed_scan(device, [0, 2, 5])
+    T, H, P, N = 5, 2, 8, 16
+    idx2 = torch.tensor([0, 1], dtype=torch.int32, **d)
+    m1 = dict(x=torch.randn(T, 6, **d), dt=torch.randn(T, 6, **d), A=-torch.rand(6, 4, **d), B=torch.randn(T, 4, **d),
+              C=torch.randn(T, 4, **d), D=None, z=None, dt_bias=None, ssm_states=torch.randn(3, 6, 4, **d))
+    conv = _packed_conv(device, [0, 2, 5])
+    att = _packed_attention(device, [0, 2, 5])
+    k = torch.randn(T, 2, 8, **d)
+    moe_args = (x2, torch.randn(4, 12, 8, **d), torch.randn(4, 8, 6, **d), torch.rand(3, 2, **d),
+                torch.randint(0, 4, (3, 2), **d))
+    return [
+        ("causal_conv1d activation", lambda: ops.causal_conv1d(*conv[:2], None, *conv[2:], activation="gelu"),
+         "activation"),
+        ("causal_conv1d_update state_indices", lambda: ops.causal_conv1d_update(conv[0][:2], conv[2], conv[1], None,
+                                                                                 idx2[:1]), "state_indices"),
+        ("ssd_chunk_scan chunk_size", lambda: ops.ssd_chunk_scan(**dict(scan, chunk_size=0)), "chunk_size"),
+        ("ssd_chunk_scan groups", lambda: ops.ssd_chunk_scan(**dict(scan, B=scan["B"].expand(T, 3, N),
+                                                                    C=scan["C"].expand(T, 3, N))), "ngroups"),
+        ("ssd_state_update states", lambda: ops.ssd_state_update(
+            torch.randn(3, H, P, N + 1, **d), scan["x"][:2], scan["dt"][:2], scan["A"], scan["B"][:2], scan["C"][:2],
+            None, None, None, idx2), "ssm_states"),
+        ("selective_scan has_initial_state", lambda: ops.selective_scan(
+            **m1, query_start_loc=scan["query_start_loc"], state_indices=idx2,
+            has_initial_state=torch.tensor([True], **d)), "has_initial_state"),
+        ("selective_scan_update z", lambda: ops.selective_scan_update(
+            m1["ssm_states"], m1["x"][:2], m1["dt"][:2], m1["A"], m1["B"][:2], m1["C"][:2], None,
+            torch.randn(2, 5, **d), None, idx2), "z must be"),
+        ("reshape_and_cache slot_mapping", lambda: ops.reshape_and_cache(
+            k, k, att["k_cache"], att["v_cache"], torch.zeros(T - 1, dtype=torch.int64, **d)), "slot_mapping"),
+        ("paged_attention heads", lambda: ops.paged_attention(**dict(att, q=torch.randn(T, 3, 8, **d))),
+         "multiple of num_kv_heads"),
+        ("paged_attention out", lambda: ops.paged_attention(**att, out=torch.empty(T, 4, 4, **d)), "out must be"),
+        ("rms_norm_gated z", lambda: ops.rms_norm_gated(x2, w8, x2[:2], 1e-5, 4), "z must have"),
+        ("fused_add_rms_norm residual", lambda: ops.fused_add_rms_norm(x2, x2[:2].clone(), w8, 1e-5), "residual"),
+        ("linear_partials K", lambda: ops.linear_partials(x2, torch.randn(5, 7, **d)), "weight"),
+        ("silu_and_mul odd", lambda: ops.silu_and_mul(torch.randn(3, 7, **d)), "2 \\* inter"),
+        ("fused_moe w2", lambda: ops.fused_moe(*moe_args[:2], moe_args[2][:, :, :5], *moe_args[3:]), "w2"),
+        ("fused_moe impl", lambda: ops.fused_moe(*moe_args, impl="fastest"), "impl"),
+        ("topk_softmax top_k", lambda: ops.topk_softmax(torch.randn(3, 6, **d), 7), "top_k"),
+        ("router_topk num_shared", lambda: ops.router_topk(x2, torch.randn(6, 8, **d), 2, num_shared=-1),
+         "num_shared"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_launcher_checks_its_arguments_on_both_backends(device, backend):
+    with ops.backend(backend):
+        for name, call, match in _bad_calls(device):
+            with pytest.raises(ValueError, match=match):
+                call()
+                pytest.fail(f"{name}: no ValueError")

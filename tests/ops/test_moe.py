@@ -10,12 +10,18 @@ import torch
 
 from mambaserve import ops
 from mambaserve.ops import reference
-from mambaserve.ops.moe import _HAS_GROUPED_MM, fused_moe_triton
+from mambaserve.ops.moe import _HAS_GROUPED_MM
 from tests.conftest import HAS_CUDA, nan_empty, rel_err, tolerance
 
 # Triton runs on CUDA tensors when there is a GPU, else on CPU tensors through the interpreter.
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def fused_moe_triton(*args, **kwargs):
+    """`ops.fused_moe` on its Triton path (the interpreter on CPU tensors)."""
+    with ops.backend("triton"):
+        return ops.fused_moe(*args, **kwargs)
 
 
 def _make(num_tokens, hidden, inter, num_experts, top_k, dtype, device, empty_experts=2):

@@ -68,7 +68,7 @@ def naive_ssm(x, dt, A, B, C, D, z, h):
 
 @pytest.mark.parametrize("ngroups", [1, 3])
 @pytest.mark.parametrize("chunk_size", [4, 8])
-def test_mamba_chunk_scan_reference(ngroups, chunk_size):
+def test_ssd_chunk_scan_reference(ngroups, chunk_size):
     H, P, N, num_slots = 6, 5, 7, 8
     lens = [1, 2, chunk_size - 1, chunk_size, chunk_size + 1, 3 * chunk_size + 2]
     qsl, T = _packed(lens)
@@ -86,7 +86,7 @@ def test_mamba_chunk_scan_reference(ngroups, chunk_size):
     idx = torch.tensor([3, 0, -1, 6, 1, 5], dtype=torch.int32)
     has = torch.tensor([True, False, True, True, False, True])
     limit = (0.01, 5.0)
-    y = ops.mamba_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, states, qsl, idx, has, dt_limit=limit)
+    y = ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, states, qsl, idx, has, dt_limit=limit)
     dtp = F.softplus(dt + dt_bias).clamp(*limit)
     rep = H // ngroups
     for i in range(len(lens)):
@@ -101,7 +101,7 @@ def test_mamba_chunk_scan_reference(ngroups, chunk_size):
         assert torch.equal(states[slot], before[slot])
 
 
-def test_selective_state_update_reference():
+def test_ssd_state_update_reference():
     H, P, N, G, batch = 6, 3, 5, 2, 5
     d = torch.float64
     states = torch.randn(7, H, P, N, dtype=d)
@@ -111,7 +111,7 @@ def test_selective_state_update_reference():
     B, C = torch.randn(batch, G, N, dtype=d), torch.randn(batch, G, N, dtype=d)
     D, dt_bias = torch.randn(H, dtype=d), torch.randn(H, dtype=d)
     idx = torch.tensor([6, -1, 2, 0, 4], dtype=torch.int32)
-    y = ops.selective_state_update(states, x, dt, A, B, C, D, z, dt_bias, idx)
+    y = ops.ssd_state_update(states, x, dt, A, B, C, D, z, dt_bias, idx)
     dtp = F.softplus(dt + dt_bias)
     for i in range(batch):
         slot = int(idx[i])

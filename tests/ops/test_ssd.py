@@ -27,9 +27,9 @@ def _check(x, dt, A, B, C, Q, D, z, dt_bias, states, qsl, idx, has, dt_softplus=
            dt_limit=(0.0, math.inf), chunks=None):
     ours, expected_states = states.clone(), states.clone()
     with ops.backend("triton"):
-        y = ops.mamba_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, ours, qsl, idx, has,
+        y = ops.ssd_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, ours, qsl, idx, has,
                                  dt_softplus=dt_softplus, dt_limit=dt_limit, chunks=chunks)
-    expected = ref.mamba_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, expected_states, qsl, idx, has,
+    expected = ref.ssd_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, expected_states, qsl, idx, has,
                                     dt_softplus=dt_softplus, dt_limit=dt_limit)
     assert rel_err(y, expected) < tolerance(x.dtype)
     state_tol = max(tolerance(x.dtype), tolerance(states.dtype))
@@ -52,7 +52,7 @@ def _poison_fresh_slots(states, idx, has):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ngroups", [1, 3])
-def test_mamba_chunk_scan_mixed_batch(device, dtype, ngroups, poison_empty):
+def test_ssd_chunk_scan_mixed_batch(device, dtype, ngroups, poison_empty):
     H, P, N, Q, num_slots = 3, 24, 16, 8, 16
     # lengths 1, 2, 3, Q - 1, Q, Q + 1, several chunks, then one-token decodes
     lens = [1, 2, 3, Q - 1, Q, Q + 1, 3 * Q + 5, 1, 1, 1]
@@ -73,7 +73,7 @@ def test_mamba_chunk_scan_mixed_batch(device, dtype, ngroups, poison_empty):
 @pytest.mark.parametrize(
     "dtype,pool_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)]
 )
-def test_mamba_chunk_scan_options(device, dtype, pool_dtype, poison_empty):
+def test_ssd_chunk_scan_options(device, dtype, pool_dtype, poison_empty):
     """Low-precision state pools; no D, z, dt_bias or softplus (first case) and a chunk size
     that is not a power of two (second case)."""
     H, P, N, G, num_slots = 4, 16, 32, 2, 6
@@ -98,7 +98,7 @@ def test_mamba_chunk_scan_options(device, dtype, pool_dtype, poison_empty):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,fp32_intermediates", [(torch.float32, True), (torch.bfloat16, True),
                                                       (torch.bfloat16, False)])
-def test_mamba_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates, poison_empty, monkeypatch):
+def test_ssd_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates, poison_empty, monkeypatch):
     """Blocks smaller than the chunk (as at chunk 256 on the GPU): several row blocks per chunk
     in every kernel, blocks wholly below the diagonal, dstate split in the C B^T kernel and
     several state blocks per head in the state passing; C B^T and the chunk states stored in
@@ -123,7 +123,7 @@ def test_mamba_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediate
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_mamba_chunk_scan_split_prompt_continues(device):
+def test_ssd_chunk_scan_split_prompt_continues(device):
     """A prompt scanned in two calls (the second from the state the first wrote) gives the
     output of one call; chunks built from the host offsets give what a device read gives, and
     chunks of another size or batch are refused."""
@@ -138,15 +138,15 @@ def test_mamba_chunk_scan_split_prompt_continues(device):
     second, _ = packed([L2], device)
     chunks = varlen.ssd_chunks(varlen.check_offsets([0, L1 + L2]), Q, device)
     with ops.backend("triton"):
-        y = ops.mamba_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no, chunks=chunks)
-        assert torch.equal(y, ops.mamba_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no))
+        y = ops.ssd_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no, chunks=chunks)
+        assert torch.equal(y, ops.ssd_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no))
         for other in (varlen.ssd_chunks(varlen.check_offsets([0, L1 + L2]), Q // 2, device),
                       varlen.ssd_chunks(varlen.check_offsets([0, L1, L1 + L2]), Q, device)):
             with pytest.raises(ValueError, match="SSD chunks"):
-                ops.mamba_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no, chunks=other)
+                ops.ssd_chunk_scan(x, dt, A, B, C, Q, None, z, None, states.clone(), whole, idx, no, chunks=other)
         s = states.clone()
-        y1 = ops.mamba_chunk_scan(x[:L1], dt[:L1], A, B[:L1], C[:L1], Q, None, z[:L1], None, s, first, idx, no)
-        y2 = ops.mamba_chunk_scan(x[L1:], dt[L1:], A, B[L1:], C[L1:], Q, None, z[L1:], None, s, second, idx, yes)
+        y1 = ops.ssd_chunk_scan(x[:L1], dt[:L1], A, B[:L1], C[:L1], Q, None, z[:L1], None, s, first, idx, no)
+        y2 = ops.ssd_chunk_scan(x[L1:], dt[L1:], A, B[L1:], C[L1:], Q, None, z[L1:], None, s, second, idx, yes)
     assert rel_err(torch.cat([y1, y2]), y) < tolerance(torch.float32)
 
 
@@ -154,7 +154,7 @@ def test_mamba_chunk_scan_split_prompt_continues(device):
 
 
 @gpu_only
-def test_mamba_chunk_scan_long_prompt_gpu(poison_empty):
+def test_ssd_chunk_scan_long_prompt_gpu(poison_empty):
     """A 31,500-token prompt (chunk 256, dstate 128, headdim 64) and three decodes with
     initial states, bfloat16 activations and a float32 state pool."""
     H, P, N, G, Q, num_slots = 8, 64, 128, 1, 256, 8
@@ -173,7 +173,7 @@ def test_mamba_chunk_scan_long_prompt_gpu(poison_empty):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk_size", [16, 64])
-def test_mamba_chunk_scan_final_states_at_strong_decay(device, chunk_size, poison_empty):
+def test_ssd_chunk_scan_final_states_at_strong_decay(device, chunk_size, poison_empty):
     """dt' A of -1e3..-1e4 per token: the in-chunk cumsum reaches -1e5 and more, where one
     float32 ulp is 1e-2. Every chunk state is sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T, so
     cs_end must be the cumsum of the chunk's last row itself: a chunk total summed in another
@@ -190,7 +190,7 @@ def test_mamba_chunk_scan_final_states_at_strong_decay(device, chunk_size, poiso
     states = torch.randn(num_slots, H, P, N, device=device)
     ours, expected = states.clone(), states.clone()
     with ops.backend("triton"):
-        ops.mamba_chunk_scan(x, dt, A, B, C, chunk_size, None, None, None, ours, qsl, idx, has, dt_softplus=False)
-    ref.mamba_chunk_scan(x, dt, A, B, C, chunk_size, None, None, None, expected, qsl, idx, has, dt_softplus=False)
+        ops.ssd_chunk_scan(x, dt, A, B, C, chunk_size, None, None, None, ours, qsl, idx, has, dt_softplus=False)
+    ref.ssd_chunk_scan(x, dt, A, B, C, chunk_size, None, None, None, expected, qsl, idx, has, dt_softplus=False)
     for slot in idx.tolist():
         assert rel_err(ours[slot], expected[slot]) < tolerance(torch.float32), f"slot {slot}"

@@ -14,8 +14,8 @@ from tests.ops.kernel_helpers import DEVICES, gpu_only, poison_empty, random_slo
 def _check(states, x, dt, A, B, C, D, z, dt_bias, idx, **kw):
     ours, expected_states = states.clone(), states.clone()
     with ops.backend("triton"):
-        y = ops.selective_state_update(ours, x, dt, A, B, C, D, z, dt_bias, idx, **kw)
-    expected = ref.selective_state_update(expected_states, x, dt, A, B, C, D, z, dt_bias, idx, **kw)
+        y = ops.ssd_state_update(ours, x, dt, A, B, C, D, z, dt_bias, idx, **kw)
+    expected = ref.ssd_state_update(expected_states, x, dt, A, B, C, D, z, dt_bias, idx, **kw)
     assert rel_err(y, expected) < tolerance(x.dtype)
     state_tol = max(tolerance(x.dtype), tolerance(states.dtype))
     written = {int(i) for i in idx if i >= 0}
@@ -38,7 +38,7 @@ def _inputs(batch, H, P, G, N, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ngroups", [1, 3])
-def test_selective_state_update(device, dtype, ngroups, poison_empty):
+def test_ssd_state_update(device, dtype, ngroups, poison_empty):
     batch, H, P, N, num_slots = 7, 3, 24, 16, 12  # headdim 24: a partial block of rows
     idx = random_slots(batch, num_slots, padding=[0, 4], device=device)
     x, dt, B, C, z = _inputs(batch, H, P, ngroups, N, dtype, device)
@@ -51,7 +51,7 @@ def test_selective_state_update(device, dtype, ngroups, poison_empty):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
-def test_selective_state_update_low_precision_pool(device, pool_dtype, poison_empty):
+def test_ssd_state_update_low_precision_pool(device, pool_dtype, poison_empty):
     """bfloat16 / float16 pools; no D, z, dt_bias or softplus."""
     batch, H, P, N, num_slots = 5, 4, 16, 32, 9
     idx = random_slots(batch, num_slots, padding=[3], device=device)
@@ -63,7 +63,7 @@ def test_selective_state_update_low_precision_pool(device, pool_dtype, poison_em
 
 
 @gpu_only
-def test_selective_state_update_256_gpu(poison_empty):
+def test_ssd_state_update_256_gpu(poison_empty):
     """256 decode sequences at the granite-4.0-tiny Mamba layer's shapes, float32 pool."""
     batch, H, P, N, num_slots = 256, 48, 64, 128, 300
     idx = random_slots(batch, num_slots, padding=[7, 200], device="cuda")

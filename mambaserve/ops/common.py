@@ -1,0 +1,81 @@
+"""Helpers shared by the op files: argument checks, the next power of two, Triton dtypes, and
+the SSM step size dt' = clamp(softplus(dt + dt_bias), dt_limit) in its Triton form with its
+launch arguments (its PyTorch twin is in `reference`).
+
+The checks run on every op call of every layer, on both backends: each is a cheap comparison,
+and its message is formatted only on failure.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from mambaserve.ops.dispatch import tl, triton
+
+# torch dtype -> Triton dtype, for the matrix-product operands of the kernels
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def check(cond: bool, msg) -> None:
+    """Raise ValueError(msg) unless cond; msg may be a callable (an f-string built only on failure)."""
+    if not cond:
+        raise ValueError(msg() if callable(msg) else msg)
+
+
+def check_positive_int(value, name: str) -> int:
+    """value as a Python int (a numpy integer is not a Triton kernel argument). Raises
+    ValueError unless it is a positive integer (bool excluded)."""
+    check(isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0,
+          lambda: f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_batch(query_start_loc: torch.Tensor, state_indices: torch.Tensor,
+                has_initial_state: torch.Tensor | None = None) -> int:
+    """The batch size of a packed batch: query_start_loc (batch + 1,), state_indices (batch,),
+    has_initial_state (batch,) when given. Raises ValueError on other shapes."""
+    check(query_start_loc.dim() == 1 and query_start_loc.numel() >= 1,
+          lambda: f"query_start_loc must be (batch + 1,), got {tuple(query_start_loc.shape)}")
+    batch = query_start_loc.numel() - 1
+    check(state_indices.shape == (batch,),
+          lambda: f"state_indices must be ({batch},), got {tuple(state_indices.shape)}")
+    if has_initial_state is not None:
+        check(has_initial_state.shape == (batch,),
+              lambda: f"has_initial_state must be ({batch},), got {tuple(has_initial_state.shape)}")
+    return batch
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton block sizes."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def dt_limit_args(dt_limit: tuple[float, float]) -> tuple[bool, float, float]:
+    """(apply the clamp, lower, upper) as the reference does: only a non-default limit clamps."""
+    lo, hi = float(dt_limit[0]), float(dt_limit[1])
+    has = lo > 0.0 or hi != math.inf
+    return has, lo, (hi if hi != math.inf else 3.0e38)
+
+
+@triton.jit
+def softplus(x):
+    # log(1 + exp(x)) like torch.nn.functional.softplus (threshold 20), accurate for x << 0
+    u = tl.exp(-tl.abs(x))
+    log1p_u = tl.where(u < 1e-4, u * (1.0 - 0.5 * u), tl.log(1.0 + u))
+    return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p_u)
+
+
+@triton.jit
+def process_dt(dt, dt_bias, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+               HAS_DT_LIMIT: tl.constexpr, dt_min, dt_max):
+    """dt' = clamp(softplus(dt + dt_bias), dt_limit), each step optional (float32 in/out)."""
+    if HAS_DT_BIAS:
+        dt = dt + dt_bias
+    if DT_SOFTPLUS:
+        dt = softplus(dt)
+    if HAS_DT_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    return dt

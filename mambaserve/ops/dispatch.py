@@ -1,0 +1,75 @@
+"""Which implementation an op runs: its Triton kernel or its PyTorch reference twin.
+
+On CUDA tensors an op runs its Triton kernel; everywhere else the reference of
+`mambaserve.ops.reference`. `backend("reference" | "triton" | "auto")` forces one inside a
+`with` block, in the calling thread (tests run "triton" on CPU tensors under TRITON_INTERPRET=1).
+
+Also `triton` and `tl` for the kernel files: the real modules where Triton is installed (it is
+a Linux-only dependency), else stand-ins under which the kernel files still import and the
+reference backend runs alone (launching a kernel then raises RuntimeError).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # tests/ops/test_imports.py runs this with Triton hidden
+    HAS_TRITON = False
+
+    class _NoTriton:
+        """Any attribute, call or decorator gives another stand-in; launching one fails."""
+
+        def __getattr__(self, name):
+            return self
+
+        def __call__(self, *args, **kwargs):
+            return self
+
+        def __getitem__(self, grid):
+            raise RuntimeError("Triton is not installed: only the reference backend runs here")
+
+    triton = tl = _NoTriton()
+
+_BACKENDS = ("auto", "reference", "triton")
+_local = threading.local()
+
+
+def current_backend() -> str:
+    """The backend `backend(...)` selected in this thread: "auto", "reference" or "triton"."""
+    return getattr(_local, "backend", "auto")
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Force the implementation of the ops called inside the block.
+
+    name: "auto" (Triton on CUDA tensors, the reference elsewhere), "reference" or "triton".
+    Raises ValueError for any other name, and for "triton" where Triton is not installed.
+    """
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown ops backend {name!r}; expected one of {_BACKENDS}")
+    if name == "triton" and not HAS_TRITON:
+        raise ValueError("the triton backend needs Triton, which is not installed")
+    previous = current_backend()
+    _local.backend = name
+    try:
+        yield
+    finally:
+        _local.backend = previous
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op whose main input is t runs its Triton kernel under the current backend."""
+    name = current_backend()
+    if name == "auto":
+        return t.is_cuda and HAS_TRITON
+    return name == "triton"
