@@ -6,22 +6,20 @@ as the GPU runs them; a graph replay launches them all at once. Everything a rep
 in buffers allocated once: token ids, positions, state indices, sequence lengths, block tables,
 slot mapping. A real batch of b sequences runs in the smallest captured size >= b; the padding
 rows have state index -1 (no state read or written) and slot -1 (no KV written), so they never
-touch a real request's state. Host-side kernel metadata (the attention work plan) is built in the
-warm-up run before capture and is valid for any context length (the kernels read the lengths
-from the buffers). Captured sizes never exceed the number of usable state slots.
+touch a real request's state. The context's launch plan (the attention work list, from host
+copies planned for plan_len-token contexts) is built in the warm-up run before capture and is
+valid for any context length (the kernels read the lengths from the buffers); the Mamba
+layers' decode kernels need none. Captured sizes never exceed the number of usable state
+slots. The capture loop and the padded-size lookup are `graph_capture.CapturedSizes`.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-
 import numpy as np
 import torch
 
+from mambaserve.engine.graph_capture import CapturedSizes
 from mambaserve.forward_context import ForwardContext
-
-logger = logging.getLogger("mambaserve")
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -34,17 +32,15 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphRunner:
+class DecodeGraphRunner(CapturedSizes):
     """Captures and replays decode-only forwards for a fixed set of batch sizes."""
 
     def __init__(self, model, caches, *, sizes: list[int], max_model_len: int, block_size: int,
                  has_attention: bool, device: torch.device):
+        super().__init__(sizes, device)
         self.model = model
-        self.sizes = sorted(set(int(s) for s in sizes))
-        self.max_size = self.sizes[-1]
         self.block_size = block_size
         self.has_attention = has_attention
-        self.device = device
         n = self.max_size
         self.max_blocks = -(-max_model_len // block_size)
         # Captured kernels plan for this context length; they read the real lengths at replay.
@@ -69,7 +65,6 @@ class DecodeGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.contexts: dict[int, ForwardContext] = {}
-        self.pool = None
 
     def _context(self, bs: int) -> ForwardContext:
         return ForwardContext(
@@ -90,26 +85,18 @@ class DecodeGraphRunner:
 
         During capture every row is padding (state index -1, slot -1): no state is touched.
         """
-        t0 = time.perf_counter()
         self._reset_padding(0)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for bs in reversed(self.sizes):
-                ctx = self._context(bs)
-                for _ in range(2):  # warm-up: compiles kernels, builds the context's plans
-                    self._forward(bs, ctx)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                    out = self._forward(bs, ctx)
-                if self.pool is None:
-                    self.pool = graph.pool()
-                self.graphs[bs], self.outputs[bs], self.contexts[bs] = graph, out, ctx
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        logger.warning("captured %d decode CUDA graphs (batch sizes %s) in %.1f s",
-                       len(self.sizes), self.sizes, time.perf_counter() - t0)
+        self.capture_all(self._capture_one, "decode CUDA graphs (batch sizes)")
+
+    def _capture_one(self, bs: int, stream: torch.cuda.Stream) -> None:
+        ctx = self._context(bs)
+        self.warm_up(lambda: self._forward(bs, ctx), times=2)  # also builds the context's plans
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            out = self._forward(bs, ctx)
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[bs], self.outputs[bs], self.contexts[bs] = graph, out, ctx
 
     def _forward(self, bs: int, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], ctx)
@@ -121,13 +108,6 @@ class DecodeGraphRunner:
         self.seq_lens[start:].fill_(1)
         self.input_ids[start:].zero_()
         self.positions[start:].zero_()
-
-    def padded_size(self, batch: int) -> int | None:
-        """The captured size a batch of `batch` decodes runs in, or None if it is too large."""
-        for s in self.sizes:
-            if s >= batch:
-                return s
-        return None
 
     @torch.inference_mode()
     def run(self, ids: list[int] | None, positions: list[int], state_indices: list[int],
@@ -163,7 +143,8 @@ class DecodeGraphRunner:
             table[:] = 0
             for i, t in enumerate(block_tables):
                 table[i, : len(t)] = t
-            h64[2, :b] = table[np.arange(b), pos // self.block_size].astype(np.int64) * self.block_size + pos % self.block_size
+            page = table[np.arange(b), pos // self.block_size].astype(np.int64)
+            h64[2, :b] = page * self.block_size + pos % self.block_size
             self.block_table[:b, :width].copy_(self._host_table[:b, :width], non_blocking=True)
         else:
             h64[2, :b] = -1

@@ -2,27 +2,24 @@
 
 For each captured token count T, one forward is recorded as a chain: graph 0, hole 0, graph 1,
 hole 1, ... The holes are the split ops of `mambaserve.layers.graph_split` (the Mamba mixer's
-conv + scan, attention's cache write + paged attention): they depend on the step's batch
-metadata, so at replay they run eagerly with the real step's context, reading their inputs
+conv + scan, attention's cache write + paged attention): they depend on the step's launch
+plans, so at replay they run eagerly with the real step's context, reading their inputs
 from, and writing their outputs to, the fixed buffers the neighbouring graphs use. Everything
 else (embeddings, projections, norms, MoE, residuals, logits) replays as graphs.
 
 A step of t <= T tokens runs in the smallest captured T; rows t..T-1 belong to no sequence
 (their KV slot is -1, no state is read or written for them) and their outputs are dropped.
-Steps larger than the largest captured count (over 8,192 tokens) run eagerly.
+Steps larger than the largest captured count (over 8,192 tokens) run eagerly. The capture
+loop and the padded-size lookup are `graph_capture.CapturedSizes`.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-
 import torch
 
+from mambaserve.engine.graph_capture import CapturedSizes
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers import graph_split
-
-logger = logging.getLogger("mambaserve")
 
 
 def default_piecewise_sizes(max_tokens: int) -> list[int]:
@@ -96,29 +93,20 @@ class _Recorder:
         return out
 
 
-class PiecewiseGraphRunner:
+class PiecewiseGraphRunner(CapturedSizes):
     """Captures forwards (hidden states -> all-row logits are NOT included) per token count."""
 
     def __init__(self, model, caches, *, sizes: list[int], block_size: int, has_attention: bool,
                  device: torch.device):
+        super().__init__(sizes, device)
         self.model = model
         self.caches = caches
-        self.sizes = sorted(set(int(s) for s in sizes))
-        self.max_size = self.sizes[-1]
         self.block_size = block_size
         self.has_attention = has_attention
-        self.device = device
         self.input_ids = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_size, dtype=torch.int64, device=device)
         self.pieces: dict[int, _Piece] = {}
-        self.pool = None
-
-    def padded_size(self, num_tokens: int) -> int | None:
-        """The captured token count a step of num_tokens runs in, or None if it is too large."""
-        for s in self.sizes:
-            if s >= num_tokens:
-                return s
-        return None
+        self._buffers: dict = {}  # the split points' staged inputs and outputs, shared by all sizes
 
     def _capture_context(self, T: int) -> ForwardContext:
         """One sequence of T new tokens on padding slots: nothing is read from or written to a cache."""
@@ -135,31 +123,24 @@ class PiecewiseGraphRunner:
     def capture(self) -> None:
         """Capture one chained forward per size, largest first (one shared memory pool); every
         row is padding during capture (state index -1, KV slot -1): no cache is touched."""
-        t0 = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
-        buffers: dict = {}
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for T in reversed(self.sizes):
-                ctx = self._capture_context(T)
-                self.model(self.input_ids[:T], self.positions[:T], ctx)  # warm-up: compile kernels
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()  # the warm-up's blocks back to the driver, for the graph pool
-                piece = _Piece()
-                recorder = _Recorder(piece, self.pool, ctx, buffers)
-                graph_split.set_recorder(recorder)
-                try:
-                    recorder.begin()
-                    piece.output = self.model(self.input_ids[:T], self.positions[:T], ctx)
-                    recorder.end()
-                finally:
-                    graph_split.set_recorder(None)
-                self.pieces[T] = piece
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        logger.warning("captured piecewise CUDA graphs for %d token counts (%s) in %.1f s",
-                       len(self.sizes), self.sizes, time.perf_counter() - t0)
+        self._buffers = {}
+        self.capture_all(self._capture_one, "piecewise CUDA graphs (token counts)")
+
+    def _capture_one(self, T: int, stream: torch.cuda.Stream) -> None:
+        ctx = self._capture_context(T)
+        self.warm_up(lambda: self.model(self.input_ids[:T], self.positions[:T], ctx))  # compiles kernels
+        torch.cuda.empty_cache()  # the warm-up's blocks back to the driver, for the graph pool
+        piece = _Piece()
+        recorder = _Recorder(piece, self.pool, ctx, self._buffers)
+        graph_split.set_recorder(recorder)
+        try:
+            recorder.begin()
+            piece.output = self.model(self.input_ids[:T], self.positions[:T], ctx)
+            recorder.end()
+        finally:
+            graph_split.set_recorder(None)
+        self.pieces[T] = piece
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
