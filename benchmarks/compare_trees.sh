@@ -4,7 +4,7 @@
 # Run from the repository root on the GPU machine:
 #   bash benchmarks/compare_trees.sh BASE_DIR [CASES...]
 # BASE_DIR: another checkout of mambaserve (e.g. made here with `git worktree add .base <commit>`, named
-# in the GPU call's carry list). Each case runs in the base, then in this tree, then both again, so
+# in the GPU call's carry list). Each case runs in the base, then in this tree, REPEATS times (default 1), so
 # drift between the two halves of the run shows up as spread. CASES (default: all of them):
 #   granite-31500   granite-4.0-tiny-preview latency, 31,500 in / 128 out / batch 1 (3 warm-up, 3 timed)
 #   granite-1024    the same at 1,024 in
@@ -52,7 +52,7 @@ print(json.dumps({"tree": label, "case": case, "repeat": int(rep), "result": rec
 EOF
 }
 
-for rep in 1 2; do
+for rep in $(seq 1 "${REPEATS:-1}"); do
   for case in $CASES; do
     run_case "$BASE" base "$case" "$rep"
     run_case "$HEAD_DIR" head "$case" "$rep"
