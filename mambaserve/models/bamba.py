@@ -17,6 +17,7 @@ from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_checks import require_silu
 from mambaserve.models.config_utils import (
     attention_from_config,
     attention_head_dim,
@@ -53,10 +54,12 @@ class _Model(nn.Module):
 
 class BambaForCausalLM(HybridForCausalLM):
     """Bamba (ibm-ai-platform/Bamba-9B): Mamba2 and attention decoder layers, each followed by
-    a SwiGLU MLP. forward(input_ids (T,), positions (T,), ctx) -> final-normed hidden (T, hidden)."""
+    a SwiGLU MLP. forward(input_ids (T,), positions (T,), ctx) -> final-normed hidden (T, hidden).
+    Raises ValueError for a hidden_act other than SiLU or a scaled RoPE type."""
 
     def __init__(self, config):
         super().__init__(config)
+        require_silu(config, "Bamba", "hidden_act", "the Mamba conv and the MLP")
         self.model = _Model(config)
         self.make_lm_head(self.model.embed_tokens)
 

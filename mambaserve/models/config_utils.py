@@ -15,6 +15,7 @@ from collections.abc import Collection
 from mambaserve.layers.attention import Attention
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.rotary import RotaryEmbedding
+from mambaserve.models.config_checks import require_default_rope
 
 # transformers' layer type names, old and new, -> our layer kinds
 _KIND_NAMES = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention",
@@ -138,11 +139,10 @@ def attention_from_config(config, cache_index, **overrides) -> Attention:
 def rope_settings(config) -> tuple[float, float]:
     """(theta, partial_rotary_factor) from `rope_parameters` (transformers >= 5) or the older
     top-level `rope_theta` / `partial_rotary_factor` (defaults 10000, 1). Raises ValueError for
-    a `rope_type` other than "default" (scaled RoPE variants are not implemented)."""
+    a `rope_type` other than "default", in either layout (`config_checks.require_default_rope`:
+    scaled RoPE variants are not implemented)."""
+    require_default_rope(config, type(config).__name__.removesuffix("Config") or "model")
     params = getattr(config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default')")
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     return float(theta), float(partial)

@@ -20,6 +20,7 @@ from mambaserve.layers.moe import GraniteMoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_checks import require_silu
 from mambaserve.models.config_utils import (
     attention_from_config,
     attention_head_dim,
@@ -64,10 +65,12 @@ class _Model(nn.Module):
 class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     """IBM Granite 4.0-H: Mamba2 and attention layers, each followed by a top-k MoE and a shared
     expert, with Granite's embedding / residual / logits multipliers. forward(input_ids (T,),
-    positions (T,), ctx) -> final-normed hidden (T, hidden)."""
+    positions (T,), ctx) -> final-normed hidden (T, hidden). Raises ValueError for a hidden_act other
+    than SiLU or a scaled RoPE type."""
 
     def __init__(self, config):
         super().__init__(config)
+        require_silu(config, "GraniteMoeHybrid", "hidden_act", "the Mamba conv, the experts and the shared MLP")
         self.model = _Model(config)
         self.make_lm_head(self.model.embed_tokens)
         self.embedding_multiplier = float(config.embedding_multiplier)

@@ -2,6 +2,10 @@
 
 HF names: backbone.embeddings, backbone.layers.{i}.norm, backbone.layers.{i}.mixer.*,
 backbone.norm_f, lm_head (tied to the embeddings when tie_word_embeddings).
+Each block is h = h + mixer(rmsnorm(h)); with residual_in_fp32 (the config default, set in
+Mamba-Codestral's config) the residual stream h is kept in float32 whatever the model dtype, as
+in transformers and mamba_ssm: rounding h to bfloat16 at every layer adds an error that grows
+with depth. The normed activations that feed the mixers are in the model dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM, MambaBackbone
+from mambaserve.models.config_checks import require_silu
 from mambaserve.models.config_utils import dt_limit
 
 
@@ -39,18 +44,23 @@ class _Block(nn.Module):
 
 class Mamba2ForCausalLM(HybridForCausalLM):
     """Mamba2 (Mamba-Codestral): pre-norm Mamba2 mixers only. forward(input_ids (T,), positions
-    (T,), ctx) -> final-normed hidden (T, hidden); positions are unused."""
+    (T,), ctx) -> final-normed hidden (T, hidden) in the model dtype; positions are unused.
+    Raises ValueError for a hidden_act other than SiLU."""
 
     def __init__(self, config):
         super().__init__(config)
+        require_silu(config, "Mamba2", "hidden_act", "the Mamba conv")
+        self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", True))
         self.backbone = MambaBackbone(config, _Block)
         self.make_lm_head(self.backbone.embeddings)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)  # (T, hidden), the residual stream
+        emb = self.backbone.embeddings(input_ids)  # (T, hidden), model dtype
         layers = self.backbone.layers
-        x = layers[0].norm(h)
+        x = layers[0].norm(emb)
+        h = emb.float() if self.residual_in_fp32 else emb  # the residual stream
         for i, layer in enumerate(layers):
             following = layers[i + 1].norm if i + 1 < len(layers) else self.backbone.norm_f
-            x = following.add_and_norm(layer.mixer(x, ctx, partials=True), h)  # h += mixer(x); x = norm(h)
+            # h += mixer(x); x = norm(h), cast back to the model dtype for the next in_proj
+            x = following.add_and_norm(layer.mixer(x, ctx, partials=True), h).to(emb.dtype)
         return x

@@ -38,6 +38,7 @@ from mambaserve.layers.mlp import MLP
 from mambaserve.layers.moe import SigmoidGroupRouter, UngatedExperts
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_checks import require_value
 from mambaserve.models.config_utils import attention_from_config, cache_indices, layer_kinds
 
 _KINDS = ("mamba", "attention", "mlp", "moe")
@@ -115,13 +116,19 @@ class _Backbone(nn.Module):
 
 class NemotronHForCausalLM(HybridForCausalLM):
     """forward(input_ids (T,), positions (T,), ctx) -> hidden (T, hidden). Positions are unused:
-    no layer has a positional embedding."""
+    no layer has a positional embedding. Raises ValueError for config fields transformers' Nemotron-H
+    carries but never applies (`residual_in_fp32`, `sliding_window`) set to take effect."""
 
     checkpoint_ignore_prefixes = ("mtp.",)
     default_mamba_ssm_cache_dtype = "float32"
 
     def __init__(self, config):
         super().__init__(config)
+        # Both are config fields that transformers' model never reads: the residual stream stays
+        # in the model dtype and attention is global. A checkpoint that sets them was trained
+        # with something neither implementation computes.
+        require_value(config, "Nemotron-H", "residual_in_fp32", False, "the residual stream is kept in the model dtype")
+        require_value(config, "Nemotron-H", "sliding_window", None, "attention is global, no sliding window")
         self.backbone = _Backbone(config)
         if any(layer.kind == "moe" for layer in self.backbone.layers):
             # while a CUDA graph is captured its experts run on every token (UngatedExperts): keep

@@ -44,6 +44,7 @@ from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_checks import require_value
 from mambaserve.models.config_utils import attention_from_config, layer_kinds, rotary_from_config
 
 
@@ -166,11 +167,14 @@ class Zamba2ForCausalLM(HybridForCausalLM):
     """forward(input_ids (T,), positions (T,), ctx) -> hidden (T, hidden).
 
     Mamba cache index = layer index (every layer has a Mamba mixer); attention cache index =
-    hybrid depth.
+    hybrid depth. Raises ValueError for `use_long_context` (see __init__) or a scaled RoPE type.
     """
 
     def __init__(self, config):
         super().__init__(config)
+        # transformers 4 rescaled rope_theta for it, transformers 5 only raises max_position_embeddings
+        require_value(config, "Zamba2", "use_long_context", False,
+                      "its RoPE rescaling differs between transformers versions")
         self.model = _Model(config)
         self.make_lm_head(self.model.embed_tokens)
 

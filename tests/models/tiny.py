@@ -41,6 +41,13 @@ CONFIGS = {
         mamba_n_groups=3, mamba_expand=2, mamba_chunk_size=8, attn_layer_indices=[1],
         tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
+    # Bamba with the config's own attention head_dim (16 != hidden / heads = 10), MHA, 2 groups
+    "bamba-head-dim": dict(
+        arch="Bamba", initializer_range=0.2, vocab_size=161, hidden_size=40, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, mamba_n_heads=5, mamba_d_head=16, mamba_d_state=8,
+        mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8, attn_layer_indices=[0],
+        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
     "mamba2": dict(
         arch="Mamba2", initializer_range=0.3, vocab_size=197, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8,
         n_groups=2, expand=2, chunk_size=8, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,

@@ -1,0 +1,60 @@
+"""Config fields a family's model does not implement are refused with a ValueError naming the
+field (a checkpoint setting them would otherwise run as another model); the values the model
+does implement still build. Built on the meta device from the real configs: no memory."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mambaserve.loader import load_config
+from mambaserve.models import get_model_class
+
+CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
+
+# (config file, field, refused value, value that builds)
+REFUSED = [
+    ("mamba-codestral-7b.json", "hidden_act", "gelu", "silu"),
+    ("bamba-9b.json", "hidden_act", "relu", "silu"),
+    ("granite-4.0-h-tiny.json", "hidden_act", "gelu", "silu"),
+    ("jamba-v0.1.json", "hidden_act", "gelu", "silu"),
+    ("nemotron-h-8b.json", "mamba_hidden_act", "gelu", "silu"),
+    ("nemotron-h-8b.json", "residual_in_fp32", True, False),
+    ("nemotron-h-8b.json", "sliding_window", 4096, None),
+    ("zamba2-2.7b.json", "use_long_context", True, False),
+    ("mamba-130m.json", "rms_norm", False, True),
+]
+
+
+def _build(file: str, **fields):
+    config = load_config(CONFIGS / file)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    with torch.device("meta"):
+        return get_model_class(config)(config)
+
+
+@pytest.mark.parametrize("file,field,refused,ok", REFUSED, ids=[f"{f}-{k}" for f, k, _, _ in REFUSED])
+def test_unimplemented_config_value_is_refused(file, field, refused, ok):
+    with pytest.raises(ValueError, match=field):
+        _build(file, **{field: refused})
+    _build(file, **{field: ok})
+
+
+@pytest.mark.parametrize("file", ["bamba-9b.json", "granite-4.0-h-tiny.json", "zamba2-2.7b.json"])
+@pytest.mark.parametrize("layout", ["rope_parameters", "rope_scaling"])
+def test_scaled_rope_is_refused(file, layout):
+    """A RoPE scaling (here linear x4) would change every rotation angle: refused in transformers
+    5's layout and in the older `rope_scaling` one; the unscaled config builds."""
+    rope_on = {"position_embedding_type": "rope"} if "granite" in file else {"use_mem_rope": True} if "zamba2" in file else {}
+    theta = {"rope_type": "default", "rope_theta": 10000.0}
+    scaled = ({"rope_parameters": {**theta, "rope_type": "linear", "factor": 4.0}} if layout == "rope_parameters"
+              else {"rope_parameters": theta, "rope_scaling": {"type": "linear", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope_type 'linear'"):
+        _build(file, **rope_on, **scaled)
+    _build(file, **rope_on, rope_parameters=theta)
+
+
+def test_mamba2_residual_in_fp32_is_read():
+    assert _build("mamba-codestral-7b.json").residual_in_fp32 is True
+    assert _build("mamba-codestral-7b.json", residual_in_fp32=False).residual_in_fp32 is False
