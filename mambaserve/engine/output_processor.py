@@ -65,8 +65,9 @@ class OutputProcessor:
         taken = [seq.request_id for seq in req.seqs if seq.request_id in self._seq_owner]
         if taken:
             raise ValueError(f"request id {req.request_id!r} clashes with running sequence ids {taken}")
-        state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, req.params, req.seqs,
-                             [DecodeState() for _ in req.seqs], req.arrival_time, final_only=final_only)
+        decode = [DecodeState.after_prompt(req.prompt_token_ids) for _ in req.seqs]  # the prompt's tail as context
+        state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, req.params, req.seqs, decode,
+                             req.arrival_time, final_only=final_only)
         self.requests[req.request_id] = state
         for i, seq in enumerate(req.seqs):
             self._seq_owner[seq.request_id] = (state, i)
@@ -121,9 +122,8 @@ class OutputProcessor:
             seq.prompt_logprobs = [None] * seq.num_prompt_tokens
         nxt = seq.prompt_token_ids[start + 1 : start + 1 + logits.shape[0]]
         for j, d in enumerate(prompt_logprobs(logits, nxt, seq.sampling_params.prompt_logprobs)):
-            if self.tokenizer is not None:
-                for tok, lp in d.items():
-                    lp.decoded_token = self.tokenizer.decode([tok])
+            if self.detokenizer is not None:
+                self.detokenizer.label_logprobs(d, seq.prompt_token_ids[max(0, start + 1 + j - 8):start + 1 + j])
             seq.prompt_logprobs[start + 1 + j] = d
 
     def _update_text_and_stop(self, state: DecodeState, seq: Sequence, token: int) -> SequenceStatus | None:
@@ -141,8 +141,9 @@ class OutputProcessor:
         if self.detokenizer is not None and (status is None or p.include_stop_str_in_output):
             self.detokenizer.step(state, seq.output_token_ids, p.skip_special_tokens)
         if self.detokenizer is not None and seq.output_logprobs and seq.output_logprobs[-1]:
-            for tok, lp in seq.output_logprobs[-1].items():
-                lp.decoded_token = self.tokenizer.decode([tok])
+            before = seq.output_token_ids[-9:-1]  # the tokens before this one, the prompt's if few
+            before = seq.prompt_token_ids[-8 + len(before):] + before if len(before) < 8 else before
+            self.detokenizer.label_logprobs(seq.output_logprobs[-1], before)
         # As in vLLM, stop strings count only after min_tokens, and only in text new in this
         # step (plus the overlap a stop string can straddle): one token may add any amount of
         # text, and text from the first min_tokens tokens never stops the request later.
@@ -155,6 +156,12 @@ class OutputProcessor:
         if status is None and (seq.num_output_tokens >= (p.max_tokens or self.max_model_len)
                                or seq.num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
+        if status is not None and self.detokenizer is not None and not isinstance(seq.stop_reason, str):
+            # the text is final: an incomplete character held back is decoded as it is; a stop
+            # or end token's own text stays out unless asked for (a stop string's cut is done)
+            keep = status == SequenceStatus.FINISHED_LENGTH or p.include_stop_str_in_output
+            ids = seq.output_token_ids if keep else seq.output_token_ids[:-1]
+            self.detokenizer.step(state, ids, p.skip_special_tokens, final=True)
         return status
 
     def _output(self, req: RequestState) -> RequestOutput:

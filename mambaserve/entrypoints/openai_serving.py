@@ -98,6 +98,20 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
+def top_logprobs_by_label(d: dict[int, Logprob], label) -> dict[str, float]:
+    """One position's completions top_logprobs {label: logprob}: one entry per token, most
+    likely first; label(token, Logprob) -> text. Labels are the tokens' text in context (the
+    engine's); where two tokens read the same (byte fragments that each decode to U+FFFD, twin
+    vocabulary entries) the less likely one is keyed `token_id:<id>` (vLLM's spelling under
+    --return-tokens-as-token-ids), so that no entry is lost and none takes another's value."""
+    ranked = sorted(d.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))
+    top: dict[str, float] = {}
+    for t, lp in ranked:
+        text = label(t, lp)
+        top[f"token_id:{t}" if text in top else text] = _finite(lp.logprob)
+    return top
+
+
 class OpenAIServing:
     """Completions and chat completions for one served model."""
 
@@ -278,17 +292,12 @@ class OpenAIServing:
             return f"token_id:{token}"
         return self.tokenizer.decode([token])
 
-    def _completion_logprobs(self, token_ids: list[int], lps: list, offset: int, prompt: bool = False
-                             ) -> tuple[CompletionLogProbs, int]:
-        """OpenAI completions logprobs for tokens starting at text offset `offset`; also returns
-        the offset after them. Prompt entries are decoded here (the engine labels them with
-        raw vocabulary pieces)."""
-        def label(t: int, lp: Logprob | None) -> str:
-            return self._token_str(t, None if prompt else lp)
-
+    def _completion_logprobs(self, token_ids: list[int], lps: list, offset: int) -> tuple[CompletionLogProbs, int]:
+        """OpenAI completions logprobs for tokens starting at text offset `offset` (output or,
+        under echo, prompt tokens); also returns the offset after them."""
         out = CompletionLogProbs()
         for tok, d in zip(token_ids, lps):
-            s = label(tok, d.get(tok) if d else None)
+            s = self._token_str(tok, d.get(tok) if d else None)
             out.tokens.append(s)
             out.text_offset.append(offset)
             offset += len(s)
@@ -297,7 +306,7 @@ class OpenAIServing:
                 out.top_logprobs.append(None)
                 continue
             out.token_logprobs.append(_finite(d[tok].logprob) if tok in d else None)
-            out.top_logprobs.append({label(t, lp): _finite(lp.logprob) for t, lp in d.items()})
+            out.top_logprobs.append(top_logprobs_by_label(d, self._token_str))
         return out, offset
 
     def _chat_logprobs(self, token_ids: list[int], lps: list, num_top: int) -> ChatLogProbs:
@@ -339,7 +348,7 @@ class OpenAIServing:
             text = self._prompt_text(job, index)
             if job.num_top is not None:
                 prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                lps, offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0, prompt=True)
+                lps, offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0)
         if not job.drop_output:
             text += c.text
             if job.num_top is not None:
@@ -369,7 +378,7 @@ class OpenAIServing:
             text = self._prompt_text(job, index)
             if job.num_top is not None:
                 prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                lps, st.offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0, prompt=True)
+                lps, st.offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0)
         st.started = True
         if not job.drop_output:
             end = len(c.text) if finished else max(st.text_sent, len(c.text) - job.holdback)

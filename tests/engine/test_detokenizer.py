@@ -1,4 +1,6 @@
-"""Incremental detokenisation and stop strings, with the demo model's byte-level BPE tokenizer."""
+"""Incremental detokenisation and stop strings: the demo model's byte-level BPE tokenizer, and the
+tokenizer kinds of `tests/tokenized.py` (byte-level BPE, SentencePiece-style Unigram and BPE with
+byte fallback)."""
 
 import pytest
 import torch
@@ -7,6 +9,7 @@ from transformers import AutoTokenizer
 from mambaserve import LLM, SamplingParams
 from mambaserve.config import default_model
 from mambaserve.engine.detokenizer import DecodeState, Detokenizer
+from tests.tokenized import KINDS, build_tokenizer, tokenized_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -78,4 +81,97 @@ def test_stop_strings_wait_for_min_tokens():
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == base.text[: base.text.index(stop, len(head))]
+    assert llm.llm_engine.usage().num_slots_used == 0
+
+
+# ---------------------------------------------------------------- other tokenizer kinds
+TEXTS = ["Simple is better [than] complex é ✓ 日本 🙂 is is", "def fibonacci(n):\n    return a  [1] [ 2 ]\n\n  x"]
+
+
+def _kind_tokenizer(kind: str):
+    return AutoTokenizer.from_pretrained(default_model()) if kind == "demo" else build_tokenizer(197, kind)
+
+
+def _continuation(tok, prompt: list[int], output: list[int]) -> str | None:
+    """What decode(prompt + output) adds to decode(prompt), or None where decode(prompt) is no
+    prefix of it (then no continuation text is right)."""
+    def d(ids):
+        return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    head, whole = d(prompt), d(prompt + output)
+    return whole[len(head):] if whole.startswith(head) else None
+
+
+def _stream(tok, prompt: list[int], output: list[int]) -> tuple[list[str], DecodeState]:
+    d, state = Detokenizer(tok), DecodeState.after_prompt(prompt)
+    return [d.step(state, output[:n]) for n in range(1, len(output) + 1)], state
+
+
+@pytest.mark.parametrize("kind", KINDS + ("demo",))
+def test_output_text_is_what_it_adds_to_the_prompt(kind):
+    """Streamed deltas add up to the text, which is what the output adds to the prompt's text:
+    the first token keeps its leading space in SentencePiece vocabularies (Metaspace, byte
+    fallback), and byte-level BPE stays as it was. Cuts anywhere, also inside a character."""
+    tok = _kind_tokenizer(kind)
+    g = torch.Generator().manual_seed(1)
+    cases = [(ids[:c], ids[c:]) for text in TEXTS for ids in [tok(text)["input_ids"]] for c in range(1, len(ids))]
+    cases += [(ids[:c], ids[c:]) for _ in range(10)
+              for ids in [torch.randint(0, len(tok), (24,), generator=g).tolist()] for c in (1, 5, 12)]
+    checked = 0
+    for prompt, output in cases:
+        pieces, state = _stream(tok, prompt, output)
+        assert "".join(pieces) == state.text
+        ref = _continuation(tok, prompt, output)
+        if ref is None:
+            continue
+        if ref.endswith("\ufffd"):  # an incomplete last character is held back
+            assert ref.startswith(state.text)
+        else:
+            assert state.text == ref, (prompt, output)
+            checked += 1
+    assert checked > len(cases) // 2
+
+
+@pytest.mark.parametrize("kind", ["sp-unigram", "sp-bpe", "byte-bpe"])
+def test_first_generated_word_keeps_its_space(kind):
+    tok = build_tokenizer(197, kind)
+    prompt, word = tok("Simple")["input_ids"], tok(" is")["input_ids"][-1]
+    assert tok.convert_ids_to_tokens(word) in ("▁is", "Ġis")
+    pieces, state = _stream(tok, prompt, [word] * 3)
+    assert pieces == [" is"] * 3 and state.text == " is is is"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_token_text_keeps_the_space_that_sets_twins_apart(kind):
+    """Logprob labels: twins such as "▁[" (" [") and "[" ("[") read apart after a word, for every
+    pair of twins in the vocabulary; a token alone reads as decode([token]); a byte-fallback
+    fragment after a word reads as U+FFFD, not as the word."""
+    tok = build_tokenizer(197, kind)
+    d, ctx = Detokenizer(tok), tok("Simple is")["input_ids"]
+    vocab = tok.get_vocab()
+    twins = [(vocab[m + w], vocab[w]) for w in vocab for m in "▁Ġ" if m + w in vocab and w.isprintable()]
+    assert len(twins) >= 2
+    for spaced, bare in twins:
+        assert d.token_text(ctx, spaced) == " " + tok.decode([bare]) and d.token_text(ctx, bare) == tok.decode([bare])
+        assert d.token_text([], bare) == tok.decode([bare])
+    if kind == "sp-bpe":
+        assert d.token_text(ctx, tok.convert_tokens_to_ids("<0xC3>")) == "\ufffd"
+
+
+@pytest.mark.parametrize("kind", ["sp-unigram", "sp-bpe"])
+def test_engine_text_stop_strings_and_labels_with_sentencepiece(kind):
+    """Through the engine: three forced "▁is" read " is is is"; the stop string " is" stops at
+    the first token (not one late); a free greedy run's text is what it adds to the prompt; the
+    logprob labels keep the space."""
+    llm = LLM(model=tokenized_checkpoint("mamba2", kind), dtype="float32", device="cpu")
+    tok = llm.get_tokenizer()
+    word = tok(" is")["input_ids"][-1]
+    forced = {"temperature": 0, "max_tokens": 3, "allowed_token_ids": [word], "ignore_eos": True}
+    out = llm.generate("Simple", SamplingParams(**forced, logprobs=0), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [word] * 3 and out.text == " is is is"
+    assert [d[word].decoded_token for d in out.logprobs] == [" is"] * 3
+    out = llm.generate("Simple", SamplingParams(**forced, stop=[" is"]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [word] and out.text == "" and out.stop_reason == " is"
+    for prompt in ("Simple is", "The quick brown fox", "def add(a, b):"):
+        res = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+        assert res.outputs[0].text == _continuation(tok, res.prompt_token_ids, res.outputs[0].token_ids)
     assert llm.llm_engine.usage().num_slots_used == 0

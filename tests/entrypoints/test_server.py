@@ -36,10 +36,11 @@ PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, world!", "class Stac
 
 
 @contextlib.contextmanager
-def running_server(*flags: str):
-    """A `mambaserve serve` server in a background thread; yields (base_url, uvicorn server)."""
-    args = build_parser().parse_args(["serve", tokenized_checkpoint(), "--dtype", "float32", "--served-model-name",
-                                      MODEL, "--uvicorn-log-level", "warning", *flags])
+def running_server(*flags: str, model: str | None = None):
+    """A `mambaserve serve` server in a background thread; yields (base_url, uvicorn server).
+    model: the checkpoint (default: `tokenized_checkpoint()`)."""
+    args = build_parser().parse_args(["serve", model or tokenized_checkpoint(), "--dtype", "float32",
+                                      "--served-model-name", MODEL, "--uvicorn-log-level", "warning", *flags])
     # Several engines live in this process: a fixed small KV pool each, rather than one engine
     # taking the whole memory budget (an EngineConfig field with no flag; the args carry it).
     args.num_kv_blocks = NUM_KV_BLOCKS
