@@ -13,7 +13,7 @@ import torch
 
 from mambaserve.loader import load_model
 from tests.models.test_parity_mamba1 import assert_bf16_steps_near_transformers
-from tests.models.tiny import checkpoint, hf_model, tie_free_tokens
+from tests.models.tiny import checkpoint, hf_model, router_margins, steps_before_near_tie, tie_free_tokens
 
 
 @pytest.mark.parametrize("name", ["jamba", "jamba-moe-every-layer"])
@@ -24,3 +24,20 @@ def test_bf16_packed_prefill_then_decode_near_transformers(name):
     assert mixer.A_log.dtype == torch.float32 and mixer.b_layernorm.weight.dtype == torch.bfloat16
     lens, n_decode = [1, 4, 13], 2
     assert_bf16_steps_near_transformers(hf, ours, tie_free_tokens(hf, [n + n_decode for n in lens]), lens, n_decode)
+
+
+def test_steps_before_near_tie_counts_from_the_first_near_tie():
+    """The helper test_gpu's Jamba graphs test cuts its runs with: tie-free tokens have no near tie;
+    a threshold above a position's margin makes the steps that read that position (and later)
+    count as near a tie."""
+    hf = hf_model("jamba")
+    seq = tie_free_tokens(hf, [10])[0]
+    prompt, output = seq[:4], seq[4:]
+    margins = router_margins(hf, seq)
+    assert torch.isfinite(margins).all() and (margins >= 0.02).all()
+    assert steps_before_near_tie(hf, prompt, output) == len(output)
+    assert steps_before_near_tie(hf, prompt, output, min_margin=float("inf")) == 0
+    q = 6  # a generated position: step q - len(prompt) + 1 is the first to read it
+    threshold = float(margins[q]) * (1 + 1e-6)
+    first = int((margins[: len(seq) - 1] < threshold).nonzero()[0, 0])
+    assert steps_before_near_tie(hf, prompt, output, min_margin=threshold) == max(0, first - len(prompt) + 1)

@@ -283,3 +283,45 @@ def tie_free_tokens(hf, lengths: list[int], min_margin: float = 0.02, tries: int
         for h in hooks:
             h.remove()
     return seqs
+
+
+def routers_of(hf) -> list:
+    """The MoE routers of a transformers model (Granite's, Nemotron-H's, Jamba's), in call order."""
+    return [m for m in hf.modules() if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
+
+
+def router_margins(hf, tokens: list[int]) -> torch.Tensor:
+    """Per position of one sequence, the smallest router margin (`_router_margin`) over every MoE
+    layer of `hf` (float32, one forward): (len(tokens),) float32, inf where the model has no
+    router. A position whose router input is exactly zero counts as inf: there every expert's
+    output is zero too (Jamba's pad token has a zero embedding and its first Mamba layer's gate
+    is then zero), so a tie there changes nothing."""
+    margins = torch.full((len(tokens),), float("inf"))
+
+    def record(router, args, _out):
+        x = args[0].reshape(-1, args[0].shape[-1])
+        m = _router_margin(router, x)
+        m[x.float().abs().amax(-1) == 0] = float("inf")
+        torch.minimum(margins, m, out=margins)
+
+    hooks = [r.register_forward_hook(record) for r in routers_of(hf)]
+    try:
+        with torch.no_grad():
+            hf(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return margins
+
+
+def steps_before_near_tie(hf, prompt: list[int], output: list[int], min_margin: float = 0.02) -> int:
+    """How many greedy steps of `output` (generated after `prompt`) come before any router of `hf`
+    is within `min_margin` of a tie: step t's logits are computed at position len(prompt) + t - 1,
+    so a near tie at position q can change every step from q - len(prompt) + 1 on (all of them
+    for a prompt position). len(output) when no router is near a tie."""
+    if not output:
+        return 0
+    near = (router_margins(hf, prompt + output[:-1]) < min_margin).nonzero()
+    if not len(near):
+        return len(output)
+    return max(0, int(near[0, 0]) - len(prompt) + 1)
