@@ -97,7 +97,8 @@ def test_colliding_labels_keep_every_entry_and_its_value():
     from mambaserve.sampling_params import Logprob
 
     # the actual token (7, rank 9) first, as the engine orders them; 3 and 5 read alike
-    d = {7: Logprob(-4.0, 9, "x"), 3: Logprob(-0.5, 1, "\ufffd"), 4: Logprob(-1.0, 2, "a"), 5: Logprob(-2.0, 3, "\ufffd")}
+    d = {7: Logprob(-4.0, 9, "x"), 3: Logprob(-0.5, 1, "\ufffd"), 4: Logprob(-1.0, 2, "a"),
+         5: Logprob(-2.0, 3, "\ufffd")}
     top = top_logprobs_by_label(d, lambda t, lp: lp.decoded_token)
     assert top == {"\ufffd": -0.5, "a": -1.0, "token_id:5": -2.0, "x": -4.0}
     assert list(top) == ["\ufffd", "a", "token_id:5", "x"]

@@ -46,7 +46,8 @@ def test_unimplemented_config_value_is_refused(file, field, refused, ok):
 def test_scaled_rope_is_refused(file, layout):
     """A RoPE scaling (here linear x4) would change every rotation angle: refused in transformers
     5's layout and in the older `rope_scaling` one; the unscaled config builds."""
-    rope_on = {"position_embedding_type": "rope"} if "granite" in file else {"use_mem_rope": True} if "zamba2" in file else {}
+    rope_on = ({"position_embedding_type": "rope"} if "granite" in file
+               else {"use_mem_rope": True} if "zamba2" in file else {})
     theta = {"rope_type": "default", "rope_theta": 10000.0}
     scaled = ({"rope_parameters": {**theta, "rope_type": "linear", "factor": 4.0}} if layout == "rope_parameters"
               else {"rope_parameters": theta, "rope_scaling": {"type": "linear", "factor": 4.0}})
