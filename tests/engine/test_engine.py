@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mambaserve import LLM, SamplingParams
-from tests.models.tiny import checkpoint, hf_model
+from tests.models.tiny import checkpoint, hf_model, skip_unless_transformers_per_group
 
 # Falcon-H1: state + KV in every layer; Jamba: Mamba-1 with dt/B/C norms, NoPE attention, softmax top-k MoE
 FAMILIES = ["granite-moe", "bamba", "mamba2-untied", "falcon-h1", "falcon-h1-norm", "jamba"]
@@ -107,6 +107,7 @@ def test_preemption_under_tiny_kv_budget(name, alone):
 @pytest.mark.parametrize("name", FAMILIES + ["jamba-moe-every-layer"])
 def test_greedy_equals_transformers_generate(name, alone):
     hf = hf_model(name)
+    skip_unless_transformers_per_group(hf)
     hf.generation_config.eos_token_id = None
     # transformers' decode step ignores time_step_limit while its prefill applies it (as
     # mamba_ssm's selective_state_update does); we apply it in both. For a config with a
@@ -214,6 +215,7 @@ def test_n_completions_and_logprobs():
 @pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied"])
 def test_prompt_logprobs_match_transformers(name):
     hf = hf_model(name)
+    skip_unless_transformers_per_group(hf)
     llm = make(name, max_num_batched_tokens=7)  # chunked: prompt logprobs assembled over steps
     p = prompts_for(name)[5]
     out = llm.generate({"prompt_token_ids": p}, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]

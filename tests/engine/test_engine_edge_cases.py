@@ -16,7 +16,7 @@ import torch
 
 from mambaserve import LLM, SamplingParams
 from tests.engine.test_engine import alone, assert_pools_empty, make, prompts_for, run  # noqa: F401 (fixture)
-from tests.models.tiny import checkpoint, hf_model
+from tests.models.tiny import checkpoint, hf_model, skip_unless_transformers_per_group
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -268,6 +268,7 @@ def test_random_arrivals_and_budgets_equal_alone(name, alone):
 @pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied"])
 def test_repetition_penalty_equals_transformers_and_alone(name):
     hf = hf_model(name)
+    skip_unless_transformers_per_group(hf)
     hf.generation_config.eos_token_id = None
     prompts = prompts_for(name, lens=(3, 12, 20), seed=9)
     # a repetitive prompt: the penalty has something to act on from the first token

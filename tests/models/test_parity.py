@@ -13,9 +13,10 @@ import torch
 
 from mambaserve.cache.tensors import allocate_caches
 from mambaserve.forward_context import ForwardContext
-from mambaserve.loader import load_model
+from mambaserve.loader import load_config, load_model
 from tests.conftest import rel_err
-from tests.models.tiny import CONFIGS, checkpoint, hf_model, tie_free_tokens
+from tests.models.tiny import (CONFIGS, checkpoint, hf_model, n_groups_of, skip_unless_transformers_per_group,
+                               tie_free_tokens)
 
 BLOCK = 4
 LENS = [1, 2, 3, 21, 40]
@@ -74,6 +75,7 @@ class Harness:
 ])
 def test_packed_prefill_then_decode_matches_transformers(name, device, dtype, tol):
     hf = hf_model(name)
+    skip_unless_transformers_per_group(hf)
     ours = load_model(checkpoint(name), dtype=dtype, device=device)
     vocab = hf.config.vocab_size
     n_decode = 3
@@ -112,6 +114,7 @@ def test_packed_prefill_then_decode_matches_transformers(name, device, dtype, to
 def test_mixed_chunked_step_matches_transformers(name):
     """Chunked prefill and decodes in the same forward: chunk boundaries anywhere, states carried."""
     hf = hf_model(name)
+    skip_unless_transformers_per_group(hf)
     ours = load_model(checkpoint(name), dtype="float32")
     vocab = hf.config.vocab_size
     seqs = [torch.randint(3, vocab, (n,)).tolist() for n in (30, 5, 17)]
@@ -169,3 +172,37 @@ def test_triton_kernels_match_the_reference_ops_in_a_model(name):
         for i in chunks:
             a, b = results["triton"][step][i], results["reference"][step][i]
             assert rel_err(a, b) < 1e-4, f"step {step} sequence {i}"
+
+
+# Mamba2-family configs with n_groups > 1: where the installed transformers normalises their gated
+# norm over the whole inner dimension (5.17), the parity tests above skip them; this holds the GPU
+# (Triton kernels, bfloat16 and float32) to our own CPU float32 path instead.
+N_GROUPS = ["granite-moe", "bamba", "mamba2", "zamba2", "nemotron-h", "falcon-h1-norm"]
+
+
+def _packed_steps(model, seqs, lens, n_decode, device):
+    """Logits of one packed prefill of seqs[i][:lens[i]], then n_decode decode steps: per
+    sequence (lens[i] + n_decode, vocab) float32 on the CPU."""
+    h = Harness(model, len(lens), max(lens) + n_decode, device=device)
+    steps = [h.step({i: s[:n] for i, (s, n) in enumerate(zip(seqs, lens))})]
+    steps += [h.step({i: [s[n + t]] for i, (s, n) in enumerate(zip(seqs, lens))}) for t in range(n_decode)]
+    return [torch.cat([step[i] for step in steps]).float() for i in range(len(lens))]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", N_GROUPS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_n_groups_matches_our_cpu_float32(name, dtype):
+    """Bar in bfloat16: three times our CPU bfloat16 path's own error against CPU float32 (the
+    same rounding budget as the transformers bar above, from a reference that groups correctly)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert n_groups_of(load_config(checkpoint(name))) > 1
+    lens, n_decode = [1, 3, 21, 40], 3
+    seqs = tie_free_tokens(hf_model(name), [n + n_decode for n in lens])  # no router near a tie (granite-moe)
+    ref = _packed_steps(load_model(checkpoint(name), dtype="float32"), seqs, lens, n_decode, "cpu")
+    gpu = _packed_steps(load_model(checkpoint(name), dtype=dtype, device="cuda"), seqs, lens, n_decode, "cuda")
+    low = None if dtype == "float32" else _packed_steps(load_model(checkpoint(name), dtype=dtype), seqs, lens,
+                                                          n_decode, "cpu")
+    for i in range(len(lens)):
+        bound = 1e-3 if low is None else max(3e-2, 3 * rel_err(low[i], ref[i]))
+        assert rel_err(gpu[i], ref[i]) < bound, f"sequence {i} (prompt length {lens[i]})"

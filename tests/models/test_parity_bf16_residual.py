@@ -19,7 +19,7 @@ import torch
 from mambaserve.loader import load_model
 from tests.conftest import rel_err
 from tests.models.test_parity import Harness
-from tests.models.tiny import CONFIGS, hf_model
+from tests.models.tiny import CONFIGS, hf_model, skip_unless_transformers_per_group
 
 DEEP_LAYERS = 16
 UPDATE_SCALE = 0.03  # out_proj times this: each layer's update is small against the stream
@@ -48,6 +48,7 @@ def deep_checkpoint(name: str, residual_in_fp32: bool):
 @pytest.mark.parametrize("residual_in_fp32", [True, False])
 def test_bf16_deep_residual_stream_near_transformers(name, residual_in_fp32):
     hf, path = deep_checkpoint(name, residual_in_fp32)
+    skip_unless_transformers_per_group(hf)
     ours = load_model(path, dtype="bfloat16")
     assert ours.residual_in_fp32 is residual_in_fp32
     hf_low = copy.deepcopy(hf).to(torch.bfloat16)

@@ -20,7 +20,7 @@ from mambaserve.loader import load_config, load_model
 from mambaserve.models import get_model_class
 from tests.conftest import rel_err
 from tests.models.test_parity import Harness
-from tests.models.tiny import checkpoint, hf_model
+from tests.models.tiny import checkpoint, hf_model, skip_unless_transformers_per_group
 
 NAMES = ["zamba2", "zamba2-gqa", "nemotron-h", "nemotron-h-moe"]
 REAL_CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
@@ -29,6 +29,7 @@ REAL_CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_chunked_and_decode_steps_match_transformers(name):
     hf = hf_model(name)
+    skip_unless_transformers_per_group(hf)
     ours = load_model(checkpoint(name), dtype="float32")
     vocab = hf.config.vocab_size
     seqs = [torch.randint(3, vocab, (n,)).tolist() for n in (33, 5, 18, 9)]
@@ -128,3 +129,24 @@ def test_real_configs_build_on_meta(file, params, n_mamba, n_attn):
     assert abs(n - params) / params < 0.01, f"{n / 1e9:.3f} B parameters"
     spec = model.cache_spec()
     assert (len(spec.mamba), len(spec.attention)) == (n_mamba, n_attn)
+
+
+@pytest.mark.parametrize("name", ["granite-moe", "bamba", "mamba2", "zamba2", "nemotron-h"])
+def test_whole_dim_gated_norm_is_detected(name):
+    """The check that makes parity tests skip under transformers 5.17: a gated norm normalising
+    over the whole inner dimension (5.17's formula, put into the model here) is found, by class;
+    the installed transformers' own norms are judged by what they compute."""
+    from tests.models.tiny import _gated_norm_per_group, n_groups_of, whole_dim_gated_norms
+
+    hf = hf_model(name)
+    n = n_groups_of(hf.config)
+    assert n > 1 and hf.whole_dim_gated_norms == whole_dim_gated_norms(hf, n)
+    norms = [m for m in hf.modules() if type(m).__name__.endswith("RMSNormGated")]
+    assert norms
+    for m in norms:
+        width = m.weight.shape[0]
+        m.forward = lambda x, z=None, m=m, width=width: _gated_norm_per_group(m, x, z, width)  # one group
+    assert whole_dim_gated_norms(hf, n) == [type(norms[0]).__name__]
+    hf.whole_dim_gated_norms = whole_dim_gated_norms(hf, n)
+    with pytest.raises(pytest.skip.Exception, match="whole inner dimension"):
+        skip_unless_transformers_per_group(hf)

@@ -170,33 +170,82 @@ def hf_model(name: str, seed: int = 0):
     torch.manual_seed(seed)
     model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
     _perturb(model, seed)
-    _per_group_gated_norm(model, config)
+    model.whole_dim_gated_norms = _per_group_gated_norm(model, config)
     return model
 
 
-def _per_group_gated_norm(model, config) -> None:
-    """Older transformers (5.17 on the GPU machine) normalise the Mamba2 gated RMSNorm of
-    Mamba2, Bamba and GraniteMoeHybrid over all n_groups groups at once; newer ones (5.24), like
-    mamba_ssm's RMSNormGated(group_size=d_ssm // ngroups) that the checkpoints were trained
-    with, normalise each group separately. With n_groups > 1 the old reference is wrong, so its
-    norm gets the per-group formula; the rest of the reference model is left as it is."""
-    n_groups = getattr(config, "mamba_n_groups", None) or getattr(config, "n_groups", 1)
+def n_groups_of(config) -> int:
+    """The Mamba2 mixer's group count (B and C heads, gated-norm groups) of a config; 1 if none."""
+    for field in ("mamba_n_groups", "n_groups", "mamba_ngroups"):
+        if getattr(config, field, None):
+            return int(getattr(config, field))
+    return 1
+
+
+def whole_dim_gated_norms(model, n_groups: int) -> list[str]:
+    """The Mamba2 gated RMSNorm classes of a transformers model that do not normalise per group:
+    each module is run on a random input and gate and compared with the per-group formula of
+    mamba_ssm's RMSNormGated(group_size=d_ssm // ngroups), which the checkpoints were trained with.
+    transformers 5.17 (the GPU machine's) normalises Mamba2's, Bamba's and GraniteMoeHybrid's
+    over the whole inner dimension; 5.24 per group. Falcon-H1's, per group in every version and
+    with its norm-before-gate option, is not checked."""
+    found = []
     if n_groups == 1:
-        return
+        return found
+    g = torch.Generator().manual_seed(0)
     for module in model.modules():
-        # Falcon-H1's gated norm is per group already (and may put the norm before the gate)
-        if (type(module).__name__.endswith("RMSNormGated") and not hasattr(module, "group_size")
-                and not type(module).__name__.startswith("FalconH1")):
-            module.group_size = module.weight.shape[0] // n_groups
-            module.forward = functools.partial(_gated_norm_per_group, module)
+        name = type(module).__name__
+        if not name.endswith("RMSNormGated") or name.startswith("FalconH1") or name in found:
+            continue
+        width = module.weight.shape[0]
+        x, z = torch.randn(3, width, generator=g), torch.randn(3, width, generator=g)
+        with torch.no_grad():
+            got = module(x, z)
+            want = _gated_norm_per_group(module, x, z, width // n_groups)
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            found.append(name)
+    return found
 
 
-def _gated_norm_per_group(norm, hidden_states, gate=None):
+def skip_unless_transformers_per_group(hf) -> None:
+    """Skip a test that compares with `hf`'s outputs when the installed transformers normalises a
+    Mamba2 gated norm of it over the whole inner dimension (`whole_dim_gated_norms`): the test would
+    fail for transformers' reason, not ours. `tests/models/test_parity.py::test_gpu_n_groups_
+    matches_our_cpu_float32` checks those models against our own CPU float32 path instead."""
+    import pytest
+    import transformers
+
+    names = getattr(hf, "whole_dim_gated_norms", None)
+    if names is None:
+        names = whole_dim_gated_norms(hf, n_groups_of(hf.config))
+    if names:
+        reason = (f"transformers {transformers.__version__} normalises {', '.join(names)} over the whole inner "
+                  f"dimension, not per group (n_groups={n_groups_of(hf.config)}): not a reference")
+        print(reason)
+        pytest.skip(reason)
+
+
+def _per_group_gated_norm(model, config) -> list[str]:
+    """Where the installed transformers normalises a gated norm over the whole inner dimension
+    (`whole_dim_gated_norms`), its forward is replaced by the per-group formula, so that uses of the
+    model that are not parity checks (router margins, tie-free tokens, saved checkpoints) see the
+    right model; parity tests skip such a model (`skip_unless_transformers_per_group`). Returns the
+    replaced classes' names."""
+    n_groups = n_groups_of(config)
+    names = whole_dim_gated_norms(model, n_groups)
+    for module in model.modules():
+        if type(module).__name__ in names:
+            size = module.weight.shape[0] // n_groups
+            module.forward = functools.partial(_gated_norm_per_group, module, group_size=size)
+    return names
+
+
+def _gated_norm_per_group(norm, hidden_states, gate=None, group_size=None):
     dtype = hidden_states.dtype
     h = hidden_states.to(torch.float32)
     if gate is not None:
         h = h * torch.nn.functional.silu(gate.to(torch.float32))
-    g = h.view(*h.shape[:-1], -1, norm.group_size)
+    g = h.view(*h.shape[:-1], -1, group_size)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
     return norm.weight * g.view(h.shape).to(dtype)
 
