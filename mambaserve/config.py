@@ -37,6 +37,8 @@ class EngineConfig:
     per-token work; a sequence that stops on a token costs one dropped step.
     compilation_mode: "eager", "piecewise" or "full_and_piecewise" (GPU default);
     enforce_eager=True forces "eager". cuda_graph_sizes: decode batch sizes to capture.
+    max_queue_len: most waiting sequences (a request with n=4 counts 4): add_request refuses one
+    that would pass it (QueueFullError), or whose n alone does (ValueError); None: unbounded.
 
     vLLM options taken so that a vLLM call or command line moves over unchanged, at the values
     this engine implements (other values raise ValueError saying so): tensor_parallel_size 1

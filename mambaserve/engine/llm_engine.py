@@ -35,7 +35,8 @@ from mambaserve.sampling_params import SamplingParams
 
 
 class QueueFullError(RuntimeError):
-    """add_request found max_queue_len requests already waiting (the server answers 503)."""
+    """add_request found no room for a request's n sequences within max_queue_len waiting
+    sequences (the server answers 503)."""
 
 
 @dataclass
@@ -82,17 +83,22 @@ class LLMEngine:
         """Queue a request: a text prompt, a list of token ids, or {"prompt_token_ids": [...]}
         (vLLM's TokensPrompt). Returns its request id. final_only: `step` reports the request
         once, when it finishes (offline generation), instead of after every step (streaming).
-        Raises ValueError (engine unchanged) for a request id already in use and for what
+        Raises ValueError (engine unchanged) for a request id already in use, for what
         `InputProcessor.process` refuses (an empty prompt, token ids outside the vocabulary, a
-        prompt that leaves no room within max_model_len, ...); QueueFullError when
-        max_queue_len requests are waiting."""
+        prompt that leaves no room within max_model_len, ...) and for n above max_queue_len;
+        QueueFullError when the waiting sequences plus this request's n would pass
+        max_queue_len (each of the n sequences counts)."""
         request_id = str(next(self._counter)) if request_id is None else str(request_id)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.time() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, now)
-        if self.config.max_queue_len is not None and self.scheduler.num_waiting >= self.config.max_queue_len:
-            raise QueueFullError("the request queue is full")
+        limit, n = self.config.max_queue_len, len(req.seqs)  # each of the n sequences counts, before any is added
+        if limit is not None and n > limit:  # it could never be queued: the request's fault (the server's 400)
+            raise ValueError(f"n={n} sequences exceed max_queue_len={limit} waiting sequences")
+        if limit is not None and self.scheduler.num_waiting + n > limit:
+            raise QueueFullError(f"the request queue is full ({self.scheduler.num_waiting} of {limit} waiting "
+                                 f"sequences; this request adds {n})")
         self.output_processor.add(req, final_only)
         try:
             for seq in req.seqs:

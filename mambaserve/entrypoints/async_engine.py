@@ -6,7 +6,11 @@ outputs back through per-request asyncio queues.
     handler <--(index, RequestOutput)-- RequestStream queue <--call_soon_threadsafe--
 
 One HTTP request may carry several prompts: they become one engine request each, admitted
-together (all or none) and streamed through one `RequestStream`. Engine errors never end the
+together (all or none) and streamed through one `RequestStream`. Each output is cumulative (a
+choice's whole text, tokens and logprobs so far), so a stream keeps only the newest unread one
+per prompt: a client that reads slowly gets fewer, larger deltas, and what waits for it is
+bounded by its output. One that falls more than `max_backlog_tokens` generated tokens behind
+is dropped (its requests aborted, an error in its stream). Engine errors never end the
 loop: a rejected request gets its error (400 for bad input, 503 for a full queue), and a step
 that raises fails the requests in flight, which are aborted so that their slots and blocks are
 freed, and the loop goes on. The loop knows nothing about HTTP or OpenAI formats.
@@ -29,6 +33,10 @@ from mambaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("mambaserve.server")
 
+# Generated tokens a reader may leave unread before its stream is dropped: far more than a reading
+# client ever has waiting (about n per step), far less than a big n x max_tokens request makes.
+DEFAULT_MAX_BACKLOG_TOKENS = 16384
+
 
 class EngineError(Exception):
     """A request the engine rejected or could not finish. `status` is the HTTP status to
@@ -48,15 +56,22 @@ class EngineInput:
 
 
 class RequestStream:
-    """The outputs of one submission, in engine order, as an async iterator of
-    (prompt index, RequestOutput) pairs; it ends when every prompt's request has finished and
-    raises `EngineError` if the engine fails them. `abort()` (idempotent, from the event loop)
-    aborts whatever has not finished."""
+    """The outputs of one submission as an async iterator of (prompt index, RequestOutput)
+    pairs, the newest of each prompt since the last read (outputs are cumulative: nothing is
+    lost); it ends when every prompt's request has finished and raises `EngineError` if the
+    engine fails them or the reader falls more than `max_backlog_tokens` generated tokens behind
+    (then the requests are aborted). `abort()` (idempotent, from the event loop) aborts whatever
+    has not finished."""
 
-    def __init__(self, engine: "AsyncEngine", request_ids: list[str]):
+    def __init__(self, engine: "AsyncEngine", request_ids: list[str], max_backlog_tokens: int | None = None):
         self._engine = engine
         self.request_ids = request_ids
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self.max_backlog_tokens = max_backlog_tokens
+        self._ack: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._latest: dict[int, RequestOutput] = {}  # prompt index -> newest unread output
+        self._read_tokens: dict[int, int] = {}  # prompt index -> generated tokens in the last output read
+        self._error: EngineError | None = None
+        self._wakeup = asyncio.Event()
         self._unfinished = set(range(len(request_ids)))
         self._closed = False
 
@@ -64,43 +79,80 @@ class RequestStream:
     def finished(self) -> bool:
         return not self._unfinished
 
+    @property
+    def backlog_tokens(self) -> int:
+        """Generated tokens waiting for the reader (in the unread outputs, beyond what it read)."""
+        return sum(_num_tokens(out) - self._read_tokens.get(i, 0) for i, out in self._latest.items())
+
     def _put(self, item) -> None:  # runs on the event loop
-        self._queue.put_nowait(item)
+        if not self._ack.done():  # the engine's answer to the submission comes first
+            self._ack.set_result(item)
+            return
+        if isinstance(item, EngineError):
+            self._error = item
+            self._latest.clear()
+        elif self._error is None and not self._closed:
+            index, out = item
+            self._latest[index] = out  # replaces an unread older one of the same prompt
+            limit = self.max_backlog_tokens
+            if limit is not None and not out.finished and self.backlog_tokens > limit:
+                backlog = self.backlog_tokens
+                self.abort()
+                self._closed = False  # the reader still gets the error
+                self._error = EngineError(f"the client read its stream too slowly: {backlog} generated tokens "
+                                          f"were waiting for it (limit {limit}); the request was aborted", 429)
+                self._latest.clear()
+        self._wakeup.set()
 
     def __aiter__(self) -> "RequestStream":
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self._unfinished or self._closed:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, EngineError):
-            self._closed = True
-            raise item
-        index, out = item
-        if out.finished:
-            self._unfinished.discard(index)
-        return index, out
+        while True:
+            if self._error is not None and not self._closed:
+                self._closed = True
+                raise self._error
+            if self._closed:
+                raise StopAsyncIteration
+            if self._latest:
+                index = next(iter(self._latest))
+                out = self._latest.pop(index)
+                self._read_tokens[index] = _num_tokens(out)
+                if out.finished:
+                    self._unfinished.discard(index)
+                return index, out
+            if not self._unfinished:
+                raise StopAsyncIteration
+            self._wakeup.clear()
+            await self._wakeup.wait()
 
     def abort(self) -> None:
         """Abort the prompts' requests that have not finished (frees their slots and blocks)."""
         if self._unfinished and not self._closed:
             self._closed = True
             self._engine._command(("abort", self))
+        self._wakeup.set()
+
+
+def _num_tokens(out: RequestOutput) -> int:
+    return sum(len(c.token_ids) for c in out.outputs)
 
 
 class AsyncEngine:
     """Runs an `LLMEngine` in one background thread for asyncio code.
 
     Constant facts about the engine (max_model_len, vocab size, model path) are copied here
-    at construction so that handlers need not touch the engine itself. `start(loop)` starts the
-    thread; `submit` admits prompts; `abort_all` ends every request in flight with an error;
-    `stop` aborts and joins the thread.
+    at construction so that handlers need not touch the engine itself. max_backlog_tokens: the
+    most generated tokens a stream's reader may fall behind before it is dropped (None: no
+    limit). `start(loop)` starts the thread; `submit` admits prompts; `abort_all` ends every
+    request in flight with an error; `stop` aborts and joins the thread.
     """
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None):
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+                 max_backlog_tokens: int | None = DEFAULT_MAX_BACKLOG_TOKENS):
         self.engine = engine
         self.metrics = metrics
+        self.max_backlog_tokens = max_backlog_tokens
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.model_path = engine.config.model
@@ -134,13 +186,13 @@ class AsyncEngine:
         the server is shutting down. If the caller is cancelled while waiting, the requests
         are aborted."""
         ids = [base_id if len(inputs) == 1 else f"{base_id}-{i}" for i in range(len(inputs))]
-        stream = RequestStream(self, ids)
+        stream = RequestStream(self, ids, self.max_backlog_tokens)
         with self._lock:  # no "add" may follow the "stop" in the queue: it would wait forever
             if not self.is_running:
                 raise EngineError("the server is shutting down", 503)
             self._command(("add", stream, inputs, time.time() if arrival_time is None else arrival_time))
         try:
-            ack = await stream._queue.get()
+            ack = await asyncio.shield(stream._ack)
         except asyncio.CancelledError:
             stream.abort()
             raise
@@ -221,6 +273,12 @@ class AsyncEngine:
     def _add(self, stream: RequestStream, inputs: list[EngineInput], arrival: float) -> None:
         if not self._accepting:
             self._deliver(stream, EngineError("the server is shutting down", 503))
+            return
+        limit = self.engine.config.max_queue_len
+        total = sum(inp.params.n for inp in inputs)
+        if limit is not None and len(inputs) > 1 and total > limit:  # could never be queued
+            self._deliver(stream, EngineError(f"{len(inputs)} prompts x n = {total} sequences exceed max_queue_len="
+                                              f"{limit} waiting sequences", 400))
             return
         added = []
         try:

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import math
 import re
+import threading
 import time
 import uuid
 from typing import AsyncIterator
@@ -37,6 +38,9 @@ from mambaserve.sampling_params import Logprob, SamplingParams
 
 # Sequences (prompts x n) one HTTP request may start.
 MAX_SEQUENCES_PER_REQUEST = 1024
+# Generation requests with more prompt text than this (characters) are tokenized in a lane of
+# their own: at about 1 MB/s of tokenizing, 64 KiB takes tens of milliseconds, 4 MiB seconds.
+LARGE_PROMPT_CHARS = 64 * 1024
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 413: "invalid_request_error", 503: "server_unavailable_error"}
 
@@ -98,6 +102,15 @@ def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0
 
 
+def _text_size(req: CompletionRequest | ChatCompletionRequest) -> int:
+    """Characters of prompt text a request has to tokenize (token-id prompts count 0)."""
+    if isinstance(req, ChatCompletionRequest):
+        return sum(len(m.content) if isinstance(m.content, str) else sum(len(p.text or "") for p in m.content or [])
+                   for m in req.messages)
+    p = req.prompt
+    return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
+
+
 def top_logprobs_by_label(d: dict[int, Logprob], label) -> dict[str, float]:
     """One position's completions top_logprobs {label: logprob}: one entry per token, most
     likely first; label(token, Logprob) -> text. Labels are the tokens' text in context (the
@@ -119,17 +132,35 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = served_model_name
         tok = engine.engine.tokenizer
-        # A private copy: the engine thread decodes with its own while the tokenizing thread below
-        # encodes with this one (and the event loop decodes logprob labels with it: read-only calls).
+        # A private copy for the event loop (logprob labels, echoed prompts); each tokenizing
+        # thread below takes its own copy of it, as the engine thread has its own.
         self.tokenizer = copy.deepcopy(tok) if tok is not None else None
-        # Tokenizing and templating run in this one thread, not on the event loop: a 4 MB
-        # prompt takes seconds, which would stall every stream (the tokenizer releases the GIL).
-        self._prepare_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mambaserve-tokenize")
+        self._local = threading.local()
+        # Tokenizing and templating run in threads, not on the event loop: a 4 MB prompt takes
+        # seconds, which would stall every stream (the tokenizer releases the GIL). Three lanes,
+        # so that no request waits behind another kind: generation requests with small prompts
+        # (two threads), those with prompts over LARGE_PROMPT_CHARS (one thread: a burst of big
+        # ones queues there), and /tokenize and /detokenize (one thread: a flood of them, which
+        # need no API key by default, delays only themselves).
+        self._lanes = {name: concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix=f"mambaserve-{name}",
+                                                                   initializer=self._init_thread)
+                       for name, n in (("prepare", 2), ("prepare-large", 1), ("tokenize", 1))}
+
+    def _init_thread(self) -> None:
+        self._local.tokenizer = copy.deepcopy(self.tokenizer)
+
+    def _tok(self):
+        """The calling thread's tokenizer (a tokenizing lane's own copy; else the event loop's)."""
+        return getattr(self._local, "tokenizer", self.tokenizer)
+
+    async def _in_lane(self, lane: str, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._lanes[lane], fn, *args)
 
     async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> "_Job":
-        """`prepare_completion` or `prepare_chat` of `req`, in the tokenizing thread."""
+        """`prepare_completion` or `prepare_chat` of `req`, in a tokenizing thread: the large-prompt
+        lane when its text is over LARGE_PROMPT_CHARS characters."""
         fn = self.prepare_chat if isinstance(req, ChatCompletionRequest) else self.prepare_completion
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_thread, fn, req)
+        return await self._in_lane("prepare-large" if _text_size(req) > LARGE_PROMPT_CHARS else "prepare", fn, req)
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         """POST /tokenize: the token ids a prompt (or chat messages, rendered as /v1/chat/completions
@@ -142,22 +173,23 @@ class OpenAIServing:
                 ids = self._tokenize(self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                                   req.chat_template_kwargs), add_special_tokens=False)
             return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_thread, work)
+        return await self._in_lane("tokenize", work)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         """POST /detokenize: the text of token ids. Raises ApiError (400 for ids outside the
         vocabulary or no tokenizer, 404)."""
         def work():
             self.check_model(req.model)
-            if self.tokenizer is None:
+            if self._tok() is None:
                 raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init)")
             if any(t < 0 or t >= self.engine.vocab_size for t in req.tokens):
                 raise ApiError(400, f"token ids must be in [0, {self.engine.vocab_size})", param="tokens")
-            return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
-        return await asyncio.get_running_loop().run_in_executor(self._prepare_thread, work)
+            return DetokenizeResponse(prompt=self._tok().decode(req.tokens))
+        return await self._in_lane("tokenize", work)
 
     def close(self) -> None:
-        self._prepare_thread.shutdown(wait=False, cancel_futures=True)
+        for lane in self._lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ validation
     def check_model(self, name: str | None) -> None:
@@ -166,10 +198,10 @@ class OpenAIServing:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if self.tokenizer is None:
+        if self._tok() is None:
             raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init): "
                                 "send token ids", param="prompt")
-        return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        return self._tok()(text, add_special_tokens=add_special_tokens)["input_ids"]
 
     def _check_prompt(self, ids: list[int], max_tokens: int | None, param: str) -> None:
         limit = self.engine.max_model_len
@@ -263,12 +295,12 @@ class OpenAIServing:
     def _render(self, messages, add_generation_prompt: bool, continue_final_message: bool,
                 chat_template_kwargs: dict | None) -> str:
         """Chat messages (pydantic ChatMessage) to prompt text with the chat template. Raises ApiError."""
-        if self.tokenizer is None:
+        if self._tok() is None:
             raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init)")
-        if not getattr(self.tokenizer, "chat_template", None):
+        if not getattr(self._tok(), "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions")
         try:
-            return render_chat(self.tokenizer, [m.model_dump(exclude_none=True) for m in messages],
+            return render_chat(self._tok(), [m.model_dump(exclude_none=True) for m in messages],
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message,
                                chat_template_kwargs=chat_template_kwargs)

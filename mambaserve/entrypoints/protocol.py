@@ -2,8 +2,10 @@
 chunks and errors, with the fields vLLM adds (top_k, min_p, repetition_penalty, ...).
 
 Requests are parsed leniently about unknown fields (ignored, as OpenAI clients send many) and
-strictly about types: a wrong type or a non-finite float is a validation error, which the
-server answers with 400. Value ranges that `SamplingParams` checks are left to it, so the
+strictly about types (pydantic's strict mode): a wrong type (`"n": "2"`, `"max_tokens": true`,
+`"stream": "yes"`, `"n": 2.0`) or a non-finite float is a validation error, which the server
+answers with 400; an integer is accepted where a number is expected (`"temperature": 1`), as in
+JSON and OpenAI's API. Value ranges that `SamplingParams` checks are left to it, so the
 messages match the offline API's. This module knows nothing about the engine.
 """
 
@@ -25,7 +27,7 @@ TokenIds = list[StrictInt]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -125,7 +127,7 @@ class TextContentPart(_Request):
 class ChatMessage(BaseModel):
     """One message of a conversation; extra keys (name, tool_calls, ...) go to the template."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: str | list[TextContentPart] | None = None

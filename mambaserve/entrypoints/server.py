@@ -3,13 +3,22 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
 GET /metrics (Prometheus), and vLLM's POST /tokenize, POST /detokenize, GET /version. Streaming is server-sent events ending with `data: [DONE]`.
 
-Every error is OpenAI's {"error": {"message", "type", "param", "code"}}: 400 for invalid
-parameters, malformed JSON or a prompt over the context length (checked before queueing),
-401 for a missing or wrong API key on /v1 when --api-key is set, 404 for an unknown model,
-413 for a body over --max-request-body-bytes, 503 when the engine queue is full
-(--max-queue-len) or the server is shutting down. A client that disconnects aborts its
-request. On SIGINT/SIGTERM the requests in flight are aborted (streams get an error event),
-then the engine loop stops.
+Every error is OpenAI's {"error": {"message", "type", "param", "code"}}, also those answered
+below the app (`http_protocol`): 400 for invalid parameters, wrong JSON types, malformed JSON or
+HTTP, or a prompt over the context length (checked before queueing), 401 for a missing or wrong
+API key on /v1 (and /tokenize, /detokenize with --tokenize-requires-api-key) when --api-key is
+set, 404 for an unknown model, 408 for headers or a body that do not arrive in time, 413 for a
+body over --max-request-body-bytes, 431 for headers over 16 KiB, 503 when the engine queue is
+full (--max-queue-len) or the server is shutting down; a streaming client that leaves more than
+--max-stream-backlog-tokens generated tokens unread is dropped (its stream's last event is a
+429 error). A client that disconnects aborts its request. On SIGINT/SIGTERM the requests in
+flight are aborted (streams get an error event), the engine loop stops, and the process exits 0.
+
+Timeouts and limits, with their reasons: a request's headers within 10 s of the connection (or
+of the previous response), at most 16 KiB of them (h11's default; real clients send under 2
+KiB); its whole body within --body-read-timeout (60 s: a 4 MiB body at 70 KB/s); an idle
+keep-alive connection closed after 5 s (uvicorn's default, set explicitly). Without them a
+client holding many half-sent requests keeps their sockets and buffers for ever.
 
 This module wires HTTP to `OpenAIServing` (formats) and `AsyncEngine` (the engine thread); it
 knows neither sampling nor the engine's internals.
@@ -35,7 +44,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaserve import __version__
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
-from mambaserve.entrypoints.async_engine import AsyncEngine
+from mambaserve.entrypoints.async_engine import DEFAULT_MAX_BACKLOG_TOKENS, AsyncEngine
+from mambaserve.entrypoints.http_protocol import DEFAULT_HEADER_TIMEOUT, JsonErrorH11Protocol
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
 from mambaserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
@@ -44,6 +54,10 @@ from mambaserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRe
 logger = logging.getLogger("mambaserve.server")
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_BODY_READ_TIMEOUT = 60.0
+KEEP_ALIVE_TIMEOUT = 5  # seconds an idle keep-alive connection stays open
+MAX_HEADER_BYTES = 16 * 1024  # h11's own default, set explicitly: an over-size header block is a 431
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
 
 # ---------------------------------------------------------------------------- HTTP plumbing
@@ -51,31 +65,54 @@ def _json(status: int, body: str, headers: dict | None = None) -> Response:
     return Response(body, status_code=status, media_type="application/json", headers=headers)
 
 
-def error_response(err: ApiError) -> Response:
-    """The JSON response of an ApiError."""
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
-    return _json(err.status, err.body().model_dump_json(), headers)
+def error_response(err: ApiError, close: bool = False) -> Response:
+    """The JSON response of an ApiError; close: ask to close the connection (its request is
+    unfinished on the wire)."""
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
+    if close:
+        headers["Connection"] = "close"
+    return _json(err.status, err.body().model_dump_json(), headers or None)
+
+
+def check_api_key(key: str | None) -> None:
+    """Raise ValueError unless `key` (None: no key) can be sent in an HTTP header: printable ASCII,
+    no spaces. Header values are bytes that clients encode as they like (most as latin-1 or
+    UTF-8); a key outside ASCII could match in one client and never in another."""
+    if key is None:
+        return
+    if not key or not all(0x21 <= ord(c) <= 0x7E for c in key):
+        raise ValueError("--api-key (or $MAMBASERVE_API_KEY) must be printable ASCII without spaces, as an HTTP "
+                         "header carries it; got " + ("an empty key" if not key else "a key with other characters"))
 
 
 class _Guard:
-    """ASGI middleware run before routing and body parsing: the API key of /v1 paths (401),
-    then the request body size (413; the body is read here, up to the limit, and replayed)."""
+    """ASGI middleware run before routing and body parsing: the API key of /v1 paths (and of
+    /tokenize, /detokenize when `protect_tokenizer`; 401), then the request body: its size (413)
+    and its arrival within `body_timeout` seconds (408); it is read here and replayed."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, protect_tokenizer: bool = False,
+                 body_timeout: float = DEFAULT_BODY_READ_TIMEOUT):
+        check_api_key(api_key)
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.api_key = api_key.encode("ascii") if api_key else None
+        self.protect_tokenizer, self.body_timeout = protect_tokenizer, body_timeout
+
+    def _needs_key(self, path: str) -> bool:
+        return path.startswith("/v1") or (self.protect_tokenizer and path in TOKENIZER_PATHS)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"].startswith("/v1"):
-            auth = headers.get("authorization", "")
-            token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+        if self.api_key and self._needs_key(scope["path"]):
+            # compared as the bytes that came (the key is ASCII: see check_api_key)
+            auth = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
+            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.api_key):
                 err = ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY').",
                                code="invalid_api_key")
                 return await error_response(err)(scope, receive, send)
-        length = headers.get("content-length")
+        length = headers.get("content-length")  # h11 refuses a non-numeric one before the app (http_protocol)
         if length is not None:
             if not length.isdigit():
                 return await error_response(ApiError(400, "invalid Content-Length"))(scope, receive, send)
@@ -84,8 +121,14 @@ class _Guard:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                err = ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s",
+                               code="body_timeout")
+                return await error_response(err, close=True)(scope, receive, send)
             if msg["type"] == "http.disconnect":
                 return None  # the client left before sending its body
             body = msg.get("body", b"")
@@ -181,8 +224,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 # ---------------------------------------------------------------------------- the app
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app over `engine`. Its lifespan starts the engine thread and stops it."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_tokenizer: bool = False,
+              body_timeout: float = DEFAULT_BODY_READ_TIMEOUT) -> FastAPI:
+    """The FastAPI app over `engine`. Its lifespan starts the engine thread and stops it.
+    Raises ValueError for an API key that an HTTP header cannot carry (`check_api_key`)."""
     serving = OpenAIServing(engine, served_model_name)
     metrics = engine.metrics
 
@@ -196,7 +241,9 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             serving.close()
 
     app = FastAPI(title="mambaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    check_api_key(api_key)
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, protect_tokenizer=protect_tokenizer,
+                       body_timeout=body_timeout)
     app.state.serving = serving
 
     @app.exception_handler(ApiError)
@@ -275,11 +322,23 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
 class Server(uvicorn.Server):
     """uvicorn's server that, on shutdown (SIGINT/SIGTERM or `should_exit`), first ends the
-    requests in flight, then lets uvicorn close the connections, then stops the engine loop."""
+    requests in flight, then lets uvicorn close the connections, then stops the engine loop.
+    A signal that asked for the shutdown is not raised again afterwards (uvicorn does, so that
+    SIGINT ends in a KeyboardInterrupt traceback and exit status 1, SIGTERM in death by the
+    signal): the process exits 0 after a clean shutdown."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine):
         super().__init__(config)
         self.engine = engine
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                # uvicorn re-raises the signals it captured once its handlers are restored
+                getattr(self, "_captured_signals", []).clear()
 
     async def shutdown(self, sockets=None):
         self.engine.abort_all()
@@ -303,8 +362,18 @@ def register(sub) -> None:
     g.add_argument("--api-key", default=os.environ.get("MAMBASERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $MAMBASERVE_API_KEY)")
     g.add_argument("--max-queue-len", type=int, default=None,
-                   help="waiting sequences beyond which requests get 503 (default: unbounded)")
+                   help="most waiting sequences (n=4 counts 4; prompts x n for a list of prompts): a "
+                        "request that would pass it gets 503, one that alone would gets 400 (default: unbounded)")
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    g.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT,
+                   help="seconds a request's whole body may take to arrive (408 after; default %(default)g)")
+    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help="seconds a request's headers may take to arrive (408 after; default %(default)g)")
+    g.add_argument("--max-stream-backlog-tokens", type=int, default=DEFAULT_MAX_BACKLOG_TOKENS,
+                   help="generated tokens a streaming client may leave unread before it is dropped and its "
+                        "request aborted (default %(default)d)")
+    g.add_argument("--tokenize-requires-api-key", action="store_true",
+                   help="with --api-key, /tokenize and /detokenize need the key too (default: open, as in vLLM)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.set_defaults(func=run)
@@ -325,12 +394,21 @@ def build_server(args: argparse.Namespace) -> Server:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
+    for flag in ("body_read_timeout", "header_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.max_stream_backlog_tokens < 1:
+        raise ValueError(f"--max-stream-backlog-tokens must be >= 1, got {args.max_stream_backlog_tokens}")
+    check_api_key(args.api_key)  # before the model loads: a bad key fails at once
     name = served_model_name(args)
     engine = LLMEngine(engine_config_from_args(args, max_queue_len=args.max_queue_len))
-    async_engine = AsyncEngine(engine, ServerMetrics(name))
-    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes)
+    async_engine = AsyncEngine(engine, ServerMetrics(name), max_backlog_tokens=args.max_stream_backlog_tokens)
+    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+                    protect_tokenizer=args.tokenize_requires_api_key, body_timeout=args.body_read_timeout)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=30)
+                            timeout_graceful_shutdown=30, http=JsonErrorH11Protocol, ws="none",
+                            timeout_keep_alive=KEEP_ALIVE_TIMEOUT, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+    config.header_timeout = args.header_timeout  # read by JsonErrorH11Protocol
     return Server(config, async_engine)
 
 
