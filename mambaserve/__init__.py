@@ -1,8 +1,8 @@
 """mambaserve: serving Mamba2 and hybrid state-space language models.
 
-Public API: `LLM` (offline generation) and `SamplingParams`. Both are imported on first use,
-so that importing a lower part of the package (`mambaserve.ops`, `mambaserve.layers`) loads
-neither the engine nor transformers.
+Public API: `LLM` (offline generation), `SamplingParams` and its `StructuredOutputsParams`.
+They are imported on first use, so that importing a lower part of the package
+(`mambaserve.ops`, `mambaserve.layers`) loads neither the engine nor transformers.
 """
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from mambaserve.llm import LLM
-    from mambaserve.sampling_params import SamplingParams
+    from mambaserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
-_LAZY = {"LLM": "mambaserve.llm", "SamplingParams": "mambaserve.sampling_params"}
+_LAZY = {"LLM": "mambaserve.llm", "SamplingParams": "mambaserve.sampling_params",
+         "StructuredOutputsParams": "mambaserve.sampling_params"}
 
 
 def __getattr__(name: str):

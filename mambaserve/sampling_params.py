@@ -8,6 +8,7 @@ vocabulary are checked by the engine, which knows those limits.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,79 @@ def _is_int(x) -> bool:
 def _is_number(x) -> bool:
     """A finite int or float (not a bool): inf or NaN in a sampling parameter turns logits into NaN."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the text of a completion (vLLM's `StructuredOutputsParams`): exactly one of
+
+    json: a JSON schema (a dict, or its JSON text) the completion must be an instance of.
+    regex: a regular expression the whole completion must match.
+    choice: a list of strings, one of which the completion must be exactly.
+    grammar: an EBNF grammar (GBNF notation, rule `root` first) the completion must derive.
+    json_object: True for any JSON object (OpenAI's JSON mode).
+
+    Options: disable_any_whitespace (JSON without free whitespace between tokens: compact and
+    faster to finish), disable_additional_properties (objects of a schema take no property it
+    does not list; the grammar engine already treats a schema without `additionalProperties`
+    so). whitespace_pattern and structural_tag are vLLM's too, but not supported: setting one
+    is a ValueError.
+
+    Validated on creation (ValueError naming the field); whether a schema, regex or grammar
+    compiles is checked when the request is added, by the grammar engine.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("StructuredOutputsParams needs exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {kinds or 'none'}")
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"StructuredOutputsParams.{name} is not supported")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                try:
+                    schema = json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+            else:
+                schema = self.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (an object), got {self.json!r:.80}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"StructuredOutputsParams.{name} must be a non-empty string, got {value!r:.80}")
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not hasattr(self.choice, "__iter__"):
+                raise ValueError(f"StructuredOutputsParams.choice must be a list of strings, got {self.choice!r:.80}")
+            self.choice = list(self.choice)
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"StructuredOutputsParams.json_object must be True (or left out), got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) is not None)
 
 
 @dataclass
@@ -67,6 +141,9 @@ class SamplingParams:
         logit_bias; each bias in [-100, 100]: -100 in effect bans a token, 100 forces it).
     allowed_token_ids: if not None, only these token ids can be generated (the rest get -inf).
     Their token ids must be in the model's vocabulary: the engine refuses the request otherwise.
+    structured_outputs: a `StructuredOutputsParams` constraint on the text (JSON schema, regex,
+        choice, grammar, JSON object), applied to the logits before every other step of sampling;
+        EOS is allowed only where the constraint is complete. Needs the `xgrammar` package.
     """
 
     n: int = 1
@@ -89,6 +166,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -164,6 +242,8 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "must not be empty (None = every token allowed)")
             if any(not _is_int(t) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must be a list of non-negative integers")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams or None")
 
     def biased_token_ids(self) -> list[int]:
         """The token ids of logit_bias and allowed_token_ids, for the engine's vocabulary check

@@ -32,6 +32,7 @@ from mambaserve.engine.scheduler import ScheduledSequence, Scheduler
 from mambaserve.engine.stats import EngineStats, EngineUsage, MemoryUsage
 from mambaserve.outputs import RequestOutput
 from mambaserve.sampling_params import SamplingParams
+from mambaserve.structured_outputs import StructuredOutputs
 
 
 class QueueFullError(RuntimeError):
@@ -60,7 +61,10 @@ class LLMEngine:
         runner = self.runner
         self.input_processor = InputProcessor(config, runner.model.config, runner.vocab_size, runner.max_model_len)
         eos, extra_eos = self.input_processor.eos_token_ids, self.input_processor.extra_eos_token_ids
-        self.output_processor = OutputProcessor(self.input_processor.tokenizer, eos, extra_eos, runner.max_model_len)
+        # grammar matchers of constrained sequences: masks applied here, tokens fed by the output processor
+        self.structured_outputs = StructuredOutputs(self.input_processor.tokenizer, runner.vocab_size, eos + extra_eos)
+        self.output_processor = OutputProcessor(self.input_processor.tokenizer, eos, extra_eos, runner.max_model_len,
+                                                self.structured_outputs)
         self.slot_pool = StateSlotPool(runner.num_slots - 1)  # the last slot is the scratch slot
         self.block_pool = BlockPool(runner.num_blocks, config.block_size) if runner.has_attention else None
         self.scheduler = Scheduler(
@@ -169,18 +173,22 @@ class LLMEngine:
         return self._launch_sampling(sched.scheduled, self.runner.execute(sched.scheduled))
 
     def _launch_sampling(self, scheduled: list[ScheduledSequence], result: StepLogits) -> _Step:
-        """Enqueue the sampling of a forward's logits (nothing to sample: a step of prompt chunks)."""
-        sample = self.sampler.launch(result.sample_logits, result.sample_seqs) if result.sample_seqs else None
-        return _Step(scheduled, result, sample)
+        """Enqueue the sampling of a forward's logits (nothing to sample: a step of prompt chunks),
+        the constrained rows masked first (their masks are filled on the host while the forward runs)."""
+        if not result.sample_seqs:
+            return _Step(scheduled, result, None)
+        self.structured_outputs.apply(result.sample_logits, result.sample_seqs)
+        return _Step(scheduled, result, self.sampler.launch(result.sample_logits, result.sample_seqs))
 
     def _launch_next(self, step: _Step) -> _Step | None:
         """Launch the decode step that follows `step`, whose tokens are still on the device, if
         it does not depend on them beyond their values: `step` was a decode step of every
         running sequence, nothing waits for admission, and every sequence continuing needs no
-        penalties, no logprobs and no min_tokens masking (they read the host's token lists),
-        and gets its KV block now. A sequence that reaches its length limit with `step` is left
-        out; one that stops on a token of `step` (EOS, a stop string) is discovered afterwards
-        and its extra token is dropped. Returns the launched step, or None."""
+        penalties, no logprobs, no min_tokens masking and no structured output (they read the
+        host's token lists or grammar state), and gets its KV block now. A sequence that reaches
+        its length limit with `step` is left out; one that stops on a token of `step` (EOS, a
+        stop string) is discovered afterwards and its extra token is dropped. Returns the
+        launched step, or None."""
         if (step.result.path not in ("decode_graph", "eager") or step.sample is None or self.scheduler.waiting
                 or any(s.num_new_tokens != 1 or s.seq.num_computed_tokens + 1 != s.seq.num_tokens
                        for s in step.scheduled)):
@@ -195,7 +203,8 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             # the sampler masks min_tokens from the host's count, one behind for the launched step
-            if p.has_penalties or p.logprobs is not None or seq.num_output_tokens + 1 <= p.min_tokens:
+            if (p.has_penalties or p.logprobs is not None or seq.num_output_tokens + 1 <= p.min_tokens
+                    or p.structured_outputs is not None):
                 return None
             if seq.num_output_tokens + 1 >= (p.max_tokens or max_len) or seq.num_tokens + 1 >= max_len:
                 continue  # finishes on step's token

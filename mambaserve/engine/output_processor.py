@@ -20,6 +20,7 @@ from mambaserve.engine.sampler import prompt_logprobs
 from mambaserve.engine.sequence import Sequence, SequenceStatus
 from mambaserve.outputs import CompletionOutput, RequestOutput
 from mambaserve.sampling_params import Logprob, SamplingParams
+from mambaserve.structured_outputs import StructuredOutputs
 
 
 @dataclass
@@ -45,14 +46,19 @@ class OutputProcessor:
     tokenizer: None for token ids only (no text, no stop strings). eos_token_ids stop a
     request silently; extra_eos_token_ids (generation_config.json's) and a request's
     stop_token_ids stop it with the token as stop_reason. max_model_len caps prompt + output.
+    structured_outputs: the engine's grammar matchers; a constrained request's constraint is
+    compiled when it is added, each sampled token advances its sequence's matcher, and a token
+    that completes (or breaks) the constraint stops the sequence.
     """
 
-    def __init__(self, tokenizer, eos_token_ids: list[int], extra_eos_token_ids: list[int], max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids: list[int], extra_eos_token_ids: list[int], max_model_len: int,
+                 structured_outputs: StructuredOutputs):
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.eos_token_ids = eos_token_ids
         self.extra_eos_token_ids = extra_eos_token_ids
         self.max_model_len = max_model_len
+        self.structured_outputs = structured_outputs
         self.requests: dict[str, RequestState] = {}
         self._seq_owner: dict[str, tuple[RequestState, int]] = {}  # sequence id -> (request, completion index)
 
@@ -60,11 +66,12 @@ class OutputProcessor:
     def add(self, req: ProcessedRequest, final_only: bool) -> RequestState:
         """Start tracking a request. Raises ValueError (nothing changed) when one of its
         sequence ids is taken: "a" with n=2 has sequences "a#0" and "a#1", which a request
-        named "a#0" would clash with."""
+        named "a#0" would clash with, or its structured output does not compile."""
         assert req.request_id not in self.requests, req.request_id
         taken = [seq.request_id for seq in req.seqs if seq.request_id in self._seq_owner]
         if taken:
             raise ValueError(f"request id {req.request_id!r} clashes with running sequence ids {taken}")
+        self.structured_outputs.add_request(req.seqs)  # compiles the constraint, if any (ValueError)
         decode = [DecodeState.after_prompt(req.prompt_token_ids) for _ in req.seqs]  # the prompt's tail as context
         state = RequestState(req.request_id, req.prompt, req.prompt_token_ids, req.params, req.seqs, decode,
                              req.arrival_time, final_only=final_only)
@@ -105,7 +112,8 @@ class OutputProcessor:
             if req.first_token_time is None:
                 req.first_token_time = now
             seq.append_token(token, lps)
-            status = self._update_text_and_stop(req.decode[idx], seq, token)
+            grammar_open = self.structured_outputs.accept(seq, token)  # its matcher, if constrained
+            status = self._update_text_and_stop(req.decode[idx], seq, token, grammar_open)
             if status is not None:
                 finished.append((seq, status))
         return finished, list(touched.values())
@@ -126,9 +134,11 @@ class OutputProcessor:
                 self.detokenizer.label_logprobs(d, seq.prompt_token_ids[max(0, start + 1 + j - 8):start + 1 + j])
             seq.prompt_logprobs[start + 1 + j] = d
 
-    def _update_text_and_stop(self, state: DecodeState, seq: Sequence, token: int) -> SequenceStatus | None:
+    def _update_text_and_stop(self, state: DecodeState, seq: Sequence, token: int,
+                              grammar_open: bool = True) -> SequenceStatus | None:
         """Detokenise `seq`'s new token and decide whether it stops there (its stop_reason is
-        set here); returns the finished status, or None to go on."""
+        set here); returns the finished status, or None to go on. grammar_open: False when the
+        token ended the sequence's structured output."""
         p = seq.sampling_params
         status = None
         if seq.num_output_tokens >= p.min_tokens:
@@ -136,6 +146,8 @@ class OutputProcessor:
                 status = SequenceStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids or (not p.ignore_eos and token in self.extra_eos_token_ids):
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        if status is None and not grammar_open:  # its stop token ended the constraint (or a stray token broke it)
+            status = SequenceStatus.FINISHED_STOPPED
         # A stop token's own text is left out of the output, as in vLLM, unless asked for.
         prev_len = len(state.text)
         if self.detokenizer is not None and (status is None or p.include_stop_str_in_output):
