@@ -7,6 +7,7 @@ without adding special tokens again, since the template writes its own).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -17,6 +18,8 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text of a conversation under the tokenizer's chat template.
 
@@ -25,6 +28,11 @@ def render_chat(
     add_generation_prompt: end with the assistant's turn header (ignored when
     continue_final_message, which leaves the last message open for the model to continue).
     chat_template_kwargs: extra template variables; it may not replace the template itself.
+    tools: OpenAI tool definitions ([{"type": "function", "function": {"name", "description",
+    "parameters"}}]) and documents (RAG: [{"title", "text"}]), passed to the template, which
+    decides how to show them (a template that does not use them leaves them out). An assistant
+    message's tool_calls arguments, JSON text in OpenAI's API, reach the template as objects, as
+    chat templates expect (vLLM does the same).
 
     Raises ValueError naming the problem: no tokenizer, no chat template, a message that is not a
     dict with a role, a non-text content part, a `chat_template` override, or an error the
@@ -48,12 +56,31 @@ def render_chat(
             if any(p.get("type") != "text" for p in parts):
                 raise ValueError(f"message {i}: only text content parts are supported")
             m = {**m, "content": "\n".join(p.get("text") or "" for p in parts)}  # as vLLM joins text parts
+        if isinstance(m.get("tool_calls"), list):
+            m = {**m, "tool_calls": [_arguments_as_object(c) for c in m["tool_calls"]]}
         rendered.append(m)
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if tools:
+        kwargs["tools"] = tools
+    if documents:
+        kwargs["documents"] = documents
     try:
         return tokenizer.apply_chat_template(rendered, tokenize=False,
                                              add_generation_prompt=add_generation_prompt and not continue_final_message,
                                              **kwargs)
     except Exception as e:  # noqa: BLE001 - jinja and transformers raise many kinds for bad input
         raise ValueError(f"could not apply the chat template: {e}") from None
+
+
+def _arguments_as_object(call: Any) -> Any:
+    """A tool call with its function's arguments parsed from JSON text (left as they are when
+    they are not JSON text)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}

@@ -48,13 +48,16 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate the assistant's reply to one conversation or to each of a list of them.
 
         messages: a conversation ([{"role": "user", "content": "..."}, ...]) or a list of
         conversations. Each is rendered with the model's chat template (`mambaserve.chat.render_chat`,
         the same text as the server's /v1/chat/completions) and tokenized without adding special
-        tokens again. The other arguments are as in `generate` and `render_chat`. Returns one
+        tokens again; tools (OpenAI tool definitions) and documents go to the template. To make
+        the reply a call, constrain it with `SamplingParams(structured_outputs=...)`. The other arguments are as in `generate` and `render_chat`. Returns one
         RequestOutput per conversation, in input order, whose `prompt` is the rendered text.
         Raises ValueError for a bad conversation (nothing is queued then), as `render_chat` does.
         """
@@ -66,7 +69,7 @@ class LLM:
         for conversation in conversations:
             text = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message,
-                               chat_template_kwargs=chat_template_kwargs)
+                               chat_template_kwargs=chat_template_kwargs, tools=tools, documents=documents)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
         return self.generate(prompts, sampling_params, use_tqdm)
 

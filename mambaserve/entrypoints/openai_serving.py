@@ -9,6 +9,12 @@ remove text already sent). So the streamed deltas always add up to the non-strea
 
 This module knows the HTTP request models but not FastAPI: errors are raised as `ApiError`
 and the server turns them into responses.
+
+Structured outputs (response_format, structured_outputs, guided_*) and the constraint of
+tool_choice="required" or a named function become one `StructuredOutputsParams`
+(`constraints.py`), compiled here, in the tokenizing thread, so a schema that does not compile is
+a 400 before anything is queued (the engine's compile is then a cache hit). Tool calls in a reply
+are found by `tool_parsers.py`; streamed, they are sent as OpenAI sends them.
 """
 
 from __future__ import annotations
@@ -26,13 +32,16 @@ from typing import AsyncIterator
 
 from mambaserve.chat import render_chat
 from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput, RequestStream
+from mambaserve.entrypoints.constraints import ConstraintError, structured_outputs_of
 from mambaserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                              ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
                                              ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
                                              CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                             DeltaMessage, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
-                                             ErrorResponse, SamplingRequest, TokenizeRequest, TokenizeResponse,
-                                             TopLogprob, UsageInfo)
+                                             DeltaFunctionCall, DeltaMessage, DeltaToolCall, DetokenizeRequest,
+                                             DetokenizeResponse, ErrorInfo, ErrorResponse, FunctionCall,
+                                             NamedToolChoice, PromptLogprob, SamplingRequest, TokenizeRequest,
+                                             TokenizeResponse, ToolCall, TopLogprob, UsageInfo)
+from mambaserve.entrypoints.tool_parsers import ToolCallParser, ToolCallStream, new_call_id
 from mambaserve.outputs import CompletionOutput, RequestOutput
 from mambaserve.sampling_params import Logprob, SamplingParams
 
@@ -72,6 +81,9 @@ class _Job:
     drop_output: bool = False  # max_tokens=0: one token is generated and not returned
     num_top: int | None = None  # logprobs asked for (None: none)
     arrival: float = 0.0  # time.time() when the request arrived
+    prompt_top: int | None = None  # vLLM's prompt_logprobs asked for (None: none)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    tools: ToolCallParser | None = None  # how to find tool calls in the reply (None: it has none)
 
     @property
     def holdback(self) -> int:
@@ -125,12 +137,61 @@ def top_logprobs_by_label(d: dict[int, Logprob], label) -> dict[str, float]:
     return top
 
 
+def _max_or_none(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
+
+
+def _continuous(req: SamplingRequest) -> bool:
+    """vLLM's rule: usage in every chunk needs include_usage and continuous_usage_stats."""
+    o = req.stream_options
+    return bool(o and o.include_usage and o.continuous_usage_stats)
+
+
+def _constraint_param(req: SamplingRequest) -> str:
+    """The field a constraint that does not compile came from (for the error's param)."""
+    for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar"):
+        if getattr(req, name, None) is not None:
+            return name
+    return "tool_choice"
+
+
+def _prompt_logprobs(out: RequestOutput, num_top: int) -> list:
+    """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank,
+    decoded token} for the actual token and the num_top most likely."""
+    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    return [None if not d else {t: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank,
+                                                 decoded_token=lp.decoded_token)
+                                for t, lp in d.items() if t == tok or (lp.rank is not None and lp.rank <= num_top)}
+            for tok, d in zip(out.prompt_token_ids, entries)]
+
+
+def _tool_calls(job: "_Job", text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+    """(content, tool calls, finish reason) of a whole chat reply: "tool_calls" when the reply
+    made calls and ended by itself."""
+    if job.tools is None:
+        return text, [], finish_reason
+    content, calls = job.tools.final(text)
+    tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                  for c in calls]
+    return content, tool_calls, "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
+
+
 class OpenAIServing:
     """Completions and chat completions for one served model."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str):
+    def __init__(self, engine: AsyncEngine, served_model_name: str, *, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None, structured_outputs_config: dict | None = None):
         self.engine = engine
         self.model_name = served_model_name
+        if enable_auto_tool_choice and tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+        if tool_call_parser is not None:
+            ToolCallParser(tool_call_parser)  # ValueError for an unknown one
+        self.auto_tool_parser = tool_call_parser if enable_auto_tool_choice else None
+        self.structured_defaults = dict(structured_outputs_config or {})
+        # thread-safe: constraints are compiled in the tokenizing thread (400 for a bad one)
+        self.grammar = engine.engine.structured_outputs.compiler
         tok = engine.engine.tokenizer
         # A private copy for the event loop (logprob labels, echoed prompts); each tokenizing
         # thread below takes its own copy of it, as the engine thread has its own.
@@ -216,8 +277,7 @@ class OpenAIServing:
                                 "Please reduce the length of the prompt or completion.",
                            param=param, code="context_length_exceeded")
 
-    @staticmethod
-    def _sampling_params(req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
+    def _sampling_params(self, req: SamplingRequest, max_tokens: int | None, logprobs: int | None,
                          prompt_logprobs: int | None = None) -> SamplingParams:
         logit_bias = None
         if req.logit_bias:
@@ -235,11 +295,24 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=logit_bias,
-                allowed_token_ids=req.allowed_token_ids,
+                allowed_token_ids=req.allowed_token_ids, structured_outputs=self._constraint(req),
             )
         except ValueError as e:
             m = re.search(r"SamplingParams\.(\w+)", str(e))
             raise ApiError(400, str(e).replace("SamplingParams.", ""), param=m.group(1) if m else None) from None
+
+    def _constraint(self, req: SamplingRequest):
+        """The request's one structured-output constraint (or None), compiled once here so that
+        one that does not compile is a 400. Raises ApiError."""
+        try:
+            params = structured_outputs_of(req, self.structured_defaults)
+            if params is not None:
+                self.grammar.compile(params)
+        except ConstraintError as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        except ValueError as e:
+            raise ApiError(400, str(e), param=_constraint_param(req)) from None
+        return params
 
     def prepare_completion(self, req: CompletionRequest) -> _Job:
         """Validate a completion request and tokenize its prompts. Raises ApiError."""
@@ -265,14 +338,15 @@ class OpenAIServing:
         max_tokens = 1 if drop else req.max_tokens
         prompts = []
         for item in items:
-            ids = self._tokenize(item) if isinstance(item, str) else list(item)
+            ids = self._tokenize(item, req.add_special_tokens) if isinstance(item, str) else list(item)
             self._check_prompt(ids, max_tokens, "prompt")
             prompts.append((item if isinstance(item, str) else None, ids))
-        params = self._sampling_params(req, max_tokens, req.logprobs,
-                                       req.logprobs if req.echo and req.logprobs is not None else None)
+        echo_top = req.logprobs if req.echo and req.logprobs is not None else None
+        params = self._sampling_params(req, max_tokens, req.logprobs, _max_or_none(echo_top, req.prompt_logprobs))
         return _Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), echo=req.echo,
-                    drop_output=drop, num_top=req.logprobs, arrival=arrival)
+                    drop_output=drop, num_top=req.logprobs, arrival=arrival, prompt_top=req.prompt_logprobs,
+                    continuous_usage=_continuous(req))
 
     def prepare_chat(self, req: ChatCompletionRequest) -> _Job:
         """Validate a chat request and render its messages with the chat template. Raises ApiError."""
@@ -282,18 +356,38 @@ class OpenAIServing:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         if req.n > MAX_SEQUENCES_PER_REQUEST:
             raise ApiError(400, f"n must be <= {MAX_SEQUENCES_PER_REQUEST}", param="n")
-        text = self._render(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs)
-        ids = self._tokenize(text, add_special_tokens=False)
+        tools = self._tool_parser(req)
+        text = self._render(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+                            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                            documents=req.documents)
+        ids = self._tokenize(text, add_special_tokens=req.add_special_tokens)
         max_tokens = req.max_completion_tokens or req.max_tokens
         self._check_prompt(ids, max_tokens, "messages")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, num_top)
+        params = self._sampling_params(req, max_tokens, num_top, req.prompt_logprobs)
         return _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [(text, ids)], params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), num_top=num_top,
-                    arrival=arrival)
+                    arrival=arrival, prompt_top=req.prompt_logprobs, continuous_usage=_continuous(req), tools=tools)
+
+    def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
+        """How the reply's tool calls are found: by the server's parser for tool_choice "auto" (the
+        default with tools, as in vLLM), as a list of calls for "required", as the arguments of
+        the named function; None for "none" or no tools. Raises ApiError: "auto" needs
+        --enable-auto-tool-choice (vLLM's rule)."""
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if req.tools else "none")
+        if not req.tools or choice == "none":
+            return None
+        if isinstance(choice, NamedToolChoice):
+            return ToolCallParser("named", choice.function.name)
+        if choice == "required":
+            return ToolCallParser("required")
+        if self.auto_tool_parser is None:
+            raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                'set (or send tool_choice "none", "required" or a named function)', param="tool_choice")
+        return ToolCallParser(self.auto_tool_parser)
 
     def _render(self, messages, add_generation_prompt: bool, continue_final_message: bool,
-                chat_template_kwargs: dict | None) -> str:
+                chat_template_kwargs: dict | None, tools: list | None = None, documents: list | None = None) -> str:
         """Chat messages (pydantic ChatMessage) to prompt text with the chat template. Raises ApiError."""
         if self._tok() is None:
             raise ApiError(400, "this server has no tokenizer (started with --skip-tokenizer-init)")
@@ -303,7 +397,7 @@ class OpenAIServing:
             return render_chat(self._tok(), [m.model_dump(exclude_none=True) for m in messages],
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message,
-                               chat_template_kwargs=chat_template_kwargs)
+                               chat_template_kwargs=chat_template_kwargs, tools=tools, documents=documents)
         except ValueError as e:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise ApiError(400, str(e), param=param) from None
@@ -388,7 +482,8 @@ class OpenAIServing:
                 lps = more if lps is None else CompletionLogProbs(
                     **{k: getattr(lps, k) + getattr(more, k) for k in CompletionLogProbs.model_fields})
         return CompletionChoice(index=index * job.params.n + c.index, text=text, logprobs=lps,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                prompt_logprobs=None if job.prompt_top is None else _prompt_logprobs(out, job.prompt_top))
 
     async def completion_response(self, job: _Job, stream: RequestStream) -> CompletionResponse:
         """The whole completion response, once every prompt's request has finished."""
@@ -433,8 +528,10 @@ class OpenAIServing:
         """Server-sent events of a streamed completion, ending with `data: [DONE]`."""
         states: dict[int, _ChoiceState] = {}
         finals: dict[int, RequestOutput] = {}
+        latest: dict[int, RequestOutput] = {}
         try:
             async for index, out in stream:
+                latest[index] = out
                 if out.finished:
                     finals[index] = out
                 choices = []
@@ -445,7 +542,8 @@ class OpenAIServing:
                         choices.append(choice)
                 if choices:
                     yield _sse(CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
-                                                  choices=choices))
+                                                  choices=choices,
+                                                  usage=self._usage(job, latest) if job.continuous_usage else None))
             if job.include_usage:
                 yield _sse(CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
                                               choices=[], usage=self._usage(job, finals)))
@@ -465,10 +563,13 @@ class OpenAIServing:
         choices = []
         for c in finals[0].outputs:
             lps = self._chat_logprobs(c.token_ids, c.logprobs or [], job.num_top) if job.num_top is not None else None
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lps,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=job.request_id, created=job.created, model=self.model_name, choices=choices,
-                                      usage=self._usage(job, finals))
+            content, tool_calls, finish = _tool_calls(job, c.text, c.finish_reason)
+            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
+                                      logprobs=lps, finish_reason=finish, stop_reason=c.stop_reason))
+        return ChatCompletionResponse(
+            id=job.request_id, created=job.created, model=self.model_name, choices=choices,
+            usage=self._usage(job, finals),
+            prompt_logprobs=None if job.prompt_top is None else _prompt_logprobs(finals[0], job.prompt_top))
 
     async def chat_events(self, job: _Job, stream: RequestStream) -> AsyncIterator[str]:
         """Server-sent events of a streamed chat completion: a role chunk per choice, content
@@ -478,6 +579,7 @@ class OpenAIServing:
                                             choices=choices, usage=usage))
 
         states = [_ChoiceState() for _ in range(job.params.n)]
+        calls = [ToolCallStream(job.tools) if job.tools is not None else None for _ in range(job.params.n)]
         finals: dict[int, RequestOutput] = {}
         try:
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
@@ -492,18 +594,27 @@ class OpenAIServing:
                     if st.done or (len(c.token_ids) <= st.tokens_sent and not finished):
                         continue
                     end = len(c.text) if finished else max(st.text_sent, len(c.text) - job.holdback)
-                    text = c.text[st.text_sent:end]
+                    text, deltas, finish = c.text[st.text_sent:end], None, c.finish_reason
                     st.text_sent = max(st.text_sent, end)
+                    if calls[c.index] is not None:  # content up to the first call, then the calls' pieces
+                        text, pieces = calls[c.index].update(c.text[:end], finished)
+                        deltas = [DeltaToolCall(index=k, id=i, type="function" if i else None,
+                                                function=DeltaFunctionCall(name=name, arguments=args))
+                                  for k, i, name, args in pieces] or None
+                        if finished and calls[c.index].ids and finish == "stop":
+                            finish = "tool_calls"
                     lps = None
                     if job.num_top is not None and len(c.token_ids) > st.tokens_sent:
                         lps = self._chat_logprobs(c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:],
                                                   job.num_top)
                     st.tokens_sent, st.done = len(c.token_ids), finished
-                    if text or finished or lps is not None:
-                        choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=text), logprobs=lps,
-                                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    if text or deltas or finished or lps is not None:
+                        choices.append(ChatStreamChoice(
+                            index=c.index, delta=DeltaMessage(content=text if text or not deltas else None,
+                                                              tool_calls=deltas),
+                            logprobs=lps, finish_reason=finish, stop_reason=c.stop_reason))
                 if choices:
-                    yield chunk(choices)
+                    yield chunk(choices, self._usage(job, {0: out}) if job.continuous_usage else None)
             if job.include_usage:
                 yield chunk([], self._usage(job, finals))
         except EngineError as e:

@@ -1,20 +1,23 @@
 """Pydantic models of the OpenAI HTTP API that the server speaks: requests, responses, stream
 chunks and errors, with the fields vLLM adds (top_k, min_p, repetition_penalty, ...).
 
-Requests are parsed leniently about unknown fields (ignored, as OpenAI clients send many) and
-strictly about types (pydantic's strict mode): a wrong type (`"n": "2"`, `"max_tokens": true`,
-`"stream": "yes"`, `"n": 2.0`) or a non-finite float is a validation error, which the server
-answers with 400; an integer is accepted where a number is expected (`"temperature": 1`), as in
-JSON and OpenAI's API. Value ranges that `SamplingParams` checks are left to it, so the
-messages match the offline API's. This module knows nothing about the engine.
+Requests are parsed strictly, about fields and about types (pydantic's strict mode): an unknown
+field, a known one this server does not implement (`request_fields`), a wrong type (`"n": "2"`,
+`"max_tokens": true`, `"stream": "yes"`, `"n": 2.0`) or a non-finite float is a validation error,
+which the server answers with 400 naming the field; an integer is accepted where a number is
+expected (`"temperature": 1`), as in JSON and OpenAI's API. Value ranges that `SamplingParams`
+checks are left to it, so the messages match the offline API's. This module knows nothing about
+the engine.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+
+from mambaserve.entrypoints import request_fields
 
 # OpenAI caps completions' logprobs at 5 and chat's top_logprobs at 20; vLLM allows 20 for both.
 MAX_LOGPROBS = 20
@@ -27,15 +30,19 @@ TokenIds = list[StrictInt]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    # known fields that are not implemented: {field: the value that leaves it off}
+    _unsupported: ClassVar[dict[str, Any]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_default(cls, data: Any) -> Any:
         """JSON null for an optional field that takes no None means its default: OpenAI's API
-        documents n, stream, echo, logprobs, ... as "or null", and some clients send nulls."""
+        documents n, stream, echo, logprobs, ... as "or null", and some clients send nulls.
+        A known but unimplemented field is dropped when off, refused (400) otherwise."""
         if not isinstance(data, dict):
             return data
+        data = request_fields.drop_unsupported(data, cls._unsupported)
         fields = cls.model_fields
         return {k: v for k, v in data.items()
                 if v is not None or k not in fields or fields[k].is_required()
@@ -43,7 +50,53 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
+    """include_usage: a last chunk with the usage; continuous_usage_stats (vLLM's): every chunk
+    carries the usage so far too."""
+
+    _unsupported: ClassVar[dict[str, Any]] = request_fields.STREAM_OPTIONS
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema: the schema the reply must be an instance of."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object) or
+    json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
+            raise ValueError("response_format of type json_schema needs json_schema.schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format of type {self.type} takes no json_schema")
+        return self
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's structured_outputs extra (its StructuredOutputsParams): one constraint kind."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=1024)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
 def _check_text(data: Any) -> Any:
@@ -97,13 +150,24 @@ class SamplingRequest(_Request):
     allowed_token_ids: list[StrictInt] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # accepted and ignored, as in vLLM
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(max_length=1024)] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Literal["xgrammar", "auto"] | None = None
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         # as OpenAI and vLLM: stream_options only means something for a streamed response
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when stream is true (as in vLLM)")
         return self
 
 
@@ -111,15 +175,19 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, a list of strings, a list of token ids or a list
     of token-id lists. max_tokens=0 with echo=True returns the prompt (and its logprobs) only."""
 
+    _unsupported: ClassVar[dict[str, Any]] = request_fields.COMPLETION
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True
 
 
-class TextContentPart(_Request):
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)  # non-text parts are refused by type
+
     type: str
     text: str | None = None
 
@@ -133,9 +201,36 @@ class ChatMessage(BaseModel):
     content: str | list[TextContentPart] | None = None
 
 
-class ChatCompletionRequest(SamplingRequest):
-    """POST /v1/chat/completions. The prompt is the tokenizer's chat template over `messages`."""
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
+
+class ChatTool(_Request):
+    """One entry of `tools`: a function the model may call."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    """tool_choice naming the function that must be called."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions. The prompt is the tokenizer's chat template over `messages`
+    (and `tools`, `documents`)."""
+
+    _unsupported: ClassVar[dict[str, Any]] = request_fields.CHAT
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -144,6 +239,20 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+    documents: list[dict[str, Any]] | None = None
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self):
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and \
+                self.tool_choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools")
+        return self
 
 
 class TokenizeRequest(_Request):
@@ -197,12 +306,31 @@ class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's prompt_logprobs: {token id: this} per prompt token (None for the first)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_prompt_logprobs(self, handler):
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)  # vLLM's extra: only when asked for
+        return out
 
 
 class CompletionResponse(BaseModel):
@@ -228,9 +356,21 @@ class ChatLogProbs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -248,6 +388,38 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_prompt_logprobs(self, handler):
+        out = handler(self)
+        if out.get("prompt_logprobs") is None:
+            out.pop("prompt_logprobs", None)
+        return out
+
+
+class DeltaFunctionCall(BaseModel):
+    """A streamed piece of a call: the name comes once, first; then pieces of the arguments."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call: index (its position in the message), and id and type with its first piece."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DeltaMessage(BaseModel):
@@ -255,6 +427,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):

@@ -45,11 +45,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mambaserve import __version__
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 from mambaserve.entrypoints.async_engine import DEFAULT_MAX_BACKLOG_TOKENS, AsyncEngine
+from mambaserve.entrypoints.constraints import parse_config
 from mambaserve.entrypoints.http_protocol import DEFAULT_HEADER_TIMEOUT, JsonErrorH11Protocol
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
 from mambaserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
                                              ModelList, TokenizeRequest)
+from mambaserve.entrypoints.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger("mambaserve.server")
 
@@ -214,7 +216,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
+    named = getattr(first.get("ctx", {}).get("error"), "param", None)  # a field a model validator refused
+    param = ".".join(loc + ([named] if named else [])) or None
     msgs = []
     for e in errors[:5]:
         where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
@@ -225,10 +228,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 # ---------------------------------------------------------------------------- the app
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_tokenizer: bool = False,
-              body_timeout: float = DEFAULT_BODY_READ_TIMEOUT) -> FastAPI:
+              body_timeout: float = DEFAULT_BODY_READ_TIMEOUT, **serving_options) -> FastAPI:
     """The FastAPI app over `engine`. Its lifespan starts the engine thread and stops it.
-    Raises ValueError for an API key that an HTTP header cannot carry (`check_api_key`)."""
-    serving = OpenAIServing(engine, served_model_name)
+    serving_options: `OpenAIServing`'s (tool calling, structured-output defaults). Raises
+    ValueError for an API key that an HTTP header cannot carry (`check_api_key`)."""
+    serving = OpenAIServing(engine, served_model_name, **serving_options)
     metrics = engine.metrics
 
     @contextlib.asynccontextmanager
@@ -376,6 +380,13 @@ def register(sub) -> None:
                    help="with --api-key, /tokenize and /detokenize need the key too (default: open, as in vLLM)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": find the calls in replies with --tool-call-parser')
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
+                   help="the format of the model's tool calls (granite: Granite 4.0's <tool_call> JSON)")
+    g.add_argument("--structured-outputs-config", default=None,
+                   help='defaults for constrained requests, as JSON: {"disable_any_whitespace": true, '
+                        '"disable_additional_properties": true, "backend": "xgrammar"}')
     p.set_defaults(func=run)
 
 
@@ -401,10 +412,15 @@ def build_server(args: argparse.Namespace) -> Server:
         raise ValueError(f"--max-stream-backlog-tokens must be >= 1, got {args.max_stream_backlog_tokens}")
     check_api_key(args.api_key)  # before the model loads: a bad key fails at once
     name = served_model_name(args)
+    structured_config = parse_config(args.structured_outputs_config)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     engine = LLMEngine(engine_config_from_args(args, max_queue_len=args.max_queue_len))
     async_engine = AsyncEngine(engine, ServerMetrics(name), max_backlog_tokens=args.max_stream_backlog_tokens)
     app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
-                    protect_tokenizer=args.tokenize_requires_api_key, body_timeout=args.body_read_timeout)
+                    protect_tokenizer=args.tokenize_requires_api_key, body_timeout=args.body_read_timeout,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                    structured_outputs_config=structured_config)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=30, http=JsonErrorH11Protocol, ws="none",
                             timeout_keep_alive=KEEP_ALIVE_TIMEOUT, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
