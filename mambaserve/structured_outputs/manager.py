@@ -53,6 +53,7 @@ class StructuredOutputs:
         for seq in seqs:
             self._matchers[seq] = xgr.GrammarMatcher(compiled)
 
+    @torch.inference_mode()  # the logits are inference tensors, written in place
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Mask, in place, the rows of `logits` (batch, vocab) whose sequence (seqs[i] for row i)
         is constrained: every token its grammar does not allow next gets -inf."""
