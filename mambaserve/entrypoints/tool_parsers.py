@@ -9,10 +9,11 @@ Formats (`--tool-call-parser NAME`, vLLM's names):
   named function to that function's arguments alone (`constraints.py`): read whatever the parser.
 
 `parse(text)` finds the calls of a reply: the text before the first call is the content, each
-call's arguments are the exact JSON text the model wrote (so streamed pieces add up to it). It is
-written for prefixes too: a call whose arguments are not complete yet comes back with the text so
-far, which is what `ToolCallStream` streams as OpenAI does (the call's id, type and name first,
-then pieces of its arguments).
+call's arguments are the exact JSON text the model wrote (so streamed pieces add up to it). It
+reads prefixes too: a call whose arguments are not complete yet comes back with the text so far.
+`ToolCallStream` streams as OpenAI does (a call's id, type and name first, then pieces of its
+arguments): as they grow where a grammar keeps them valid (required, named), else each call once
+it is complete and valid JSON, so that a call the model botches is never half sent.
 """
 
 from __future__ import annotations
@@ -141,13 +142,26 @@ class ToolCallParser:
         return Parsed(text[:pos], calls, True)
 
     def final(self, text: str) -> tuple[str | None, list[CallText]]:
-        """(content or None, complete calls) of a whole reply. Calls that are not valid JSON with
-        a name make the whole text content again, as if no call had been made."""
+        """(content or None, calls) of a whole reply. With the model's own format (auto), the
+        calls are the complete ones with a name and JSON arguments, up to the first that is not;
+        with none, the whole text is the content, as if no call had been made. A required or
+        named reply is all calls (its grammar made them valid; the last is cut short only when
+        max_tokens ended the reply, as OpenAI's can be)."""
         parsed = self.parse(text, final=True)
-        calls = [c for c in parsed.calls if c.complete and c.name is not None and _is_json(c.arguments)]
-        if not calls or len(calls) != len(parsed.calls):
-            return (text or None) if self.mode not in ("required", "named") else None, calls
-        return parsed.content or None, calls
+        if self.incremental:
+            return None, [c for c in parsed.calls if c.name is not None]
+        calls = []
+        for c in parsed.calls:
+            if not (c.complete and c.name is not None and _is_json(c.arguments)):
+                break
+            calls.append(c)
+        return (parsed.content or None) if calls else (text or None), calls
+
+    @property
+    def incremental(self) -> bool:
+        """Whether arguments are streamed as they grow (a grammar keeps them valid) rather than
+        each call once it is complete and valid."""
+        return self.mode in ("required", "named")
 
 
 def _is_json(s: str) -> bool:
@@ -181,20 +195,25 @@ class ToolCallStream:
 
     def update(self, text: str, final: bool) -> tuple[str, list[tuple[int, str | None, str | None, str]]]:
         """(new content, [(call index, id or None, name or None, new arguments text)]) for `text`,
-        the reply so far. A call's id and name come once, with its first piece; a call is sent
-        only once its name is known."""
-        parsed = self.parser.parse(text, final)
+        the reply so far. A call's id and name come once, with its first piece. Constrained
+        replies (required, named) stream arguments as they grow; the model's own format sends
+        each call once it is complete and valid, so that nothing sent is taken back. The pieces
+        add up to what `final` gives for the whole reply."""
+        parser = self.parser
+        parsed = parser.parse(text, final)
         content = parsed.content[self.content_sent:]
         self.content_sent = len(parsed.content)
-        if final and not self.ids:
-            content_all, calls = self.parser.final(text)
+        if final and not self.ids and not parser.incremental:
+            whole, calls = parser.final(text)
             if not calls:  # no valid call after all: the rest of the text is content
-                rest = (content_all or "")[self.content_sent:]
+                rest = (whole or "")[self.content_sent:]
                 self.content_sent += len(rest)
                 return content + rest, []
         deltas = []
         for k, call in enumerate(parsed.calls):
             if call.name is None:
+                break
+            if not parser.incremental and k >= len(self.ids) and not (call.complete and _is_json(call.arguments)):
                 break
             if k == len(self.ids):
                 self.ids.append(new_call_id())
