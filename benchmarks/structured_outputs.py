@@ -1,0 +1,203 @@
+"""Throughput cost of structured outputs: one batch of requests with none constrained, then the
+same batch with a fraction constrained by a JSON schema, in one process, on one engine.
+
+    python benchmarks/structured_outputs.py --model benchmarks/configs/granite-4.0-h-tiny.json \\
+        --load-format dummy --dtype bfloat16 --output-json results.json
+
+Every request generates exactly --output-len tokens (EOS ignored; the schema is a list that must
+hold more items than fit, so a constrained request never completes early), so both runs produce
+the same tokens and the cost is the ratio of their elapsed times. The constrained requests pay
+for the grammar (masks filled on the host, applied on the device) and for their steps not being
+launched ahead of the host (async scheduling needs no host state; a mask needs the previous
+token). A third run without constraints and without async scheduling separates the two.
+
+Dummy-weight configs have no tokenizer: unless --tokenizer names one, a byte-level BPE with the
+model's vocabulary size is trained on the Python standard library's sources (no network needed),
+so that mask work is that of a realistic vocabulary. The record (JSON) holds the model, GPU,
+commit, date, the flags and each run's numbers; the target is a cost under 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mambaserve.benchmarks.common import environment_info, has_tokenizer, write_json  # noqa: E402
+from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args  # noqa: E402
+
+TARGET_COST = 0.10
+# a list of records that cannot be complete within any benchmark's output length
+SCHEMA = {"type": "array", "minItems": 100000, "items": {
+    "type": "object",
+    "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
+                   "kind": {"enum": ["alpha", "beta", "gamma", "delta"]}, "score": {"type": "number"},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+                   "active": {"type": "boolean"}},
+    "required": ["id", "name", "kind", "score", "tags", "active"]}}
+
+
+def build_tokenizer(vocab_size: int, corpus_dir: str, out_dir: str, max_bytes: int = 16 << 20) -> str:
+    """A transformers tokenizer (byte-level BPE, `<|endoftext|>` at id 0) of at most
+    vocab_size tokens, trained on the .py files under corpus_dir; returns its directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts, size = [], 0
+    for path in sorted(Path(corpus_dir).rglob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        size += len(text)
+        if size > max_bytes:
+            break
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(out_dir)
+    return out_dir
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def run_batch(llm, prompts, params) -> dict:
+    """One timed generate over the batch: seconds, tokens, and where the grammar's host time went."""
+    engine = llm.llm_engine
+    so = engine.structured_outputs
+    mask_seconds = [0.0]
+    apply = so.apply
+
+    def timed_apply(logits, seqs):
+        t = time.perf_counter()
+        apply(logits, seqs)
+        mask_seconds[0] += time.perf_counter() - t
+
+    so.apply = timed_apply
+    try:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    finally:
+        del so.apply
+    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    reasons = sorted({c.finish_reason for o in outs for c in o.outputs})
+    return {"seconds": elapsed, "output_tokens": tokens, "output_tokens_per_s": tokens / elapsed,
+            "requests_per_s": len(outs) / elapsed, "mask_host_seconds": mask_seconds[0], "finish_reasons": reasons}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--constrained-fraction", type=float, default=0.25)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of each kind (the median is reported)")
+    p.add_argument("--tokenizer-corpus", default=sysconfig.get_paths()["stdlib"],
+                   help="directory of .py files to train the stand-in tokenizer on (default: the stdlib)")
+    p.add_argument("--output-json", default=None)
+    add_engine_args(p)
+    args = p.parse_args(argv)
+    if not 0 < args.constrained_fraction <= 1:
+        p.error("--constrained-fraction must be in (0, 1]")
+
+    import torch
+
+    from mambaserve import LLM, SamplingParams, StructuredOutputsParams
+    from mambaserve.loader import load_config
+
+    tmp = tempfile.TemporaryDirectory(prefix="mambaserve-so-bench-")
+    if args.tokenizer is None and not has_tokenizer(args.model):
+        vocab = load_config(args.model).vocab_size
+        t = time.perf_counter()
+        args.tokenizer = build_tokenizer(vocab, args.tokenizer_corpus, tmp.name)
+        print(f"trained a {vocab}-token stand-in tokenizer in {time.perf_counter() - t:.1f} s", flush=True)
+    config = engine_config_from_args(args)
+    llm = LLM.from_config(config)
+    tokenizer_size = len(llm.get_tokenizer())
+    vocab = llm.llm_engine.runner.vocab_size
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(1, min(vocab, tokenizer_size), (args.input_len,), generator=g).tolist()}
+               for _ in range(args.num_prompts)]
+    num_constrained = round(args.num_prompts * args.constrained_fraction)
+    constrained_rows = set(range(0, args.num_prompts, max(1, args.num_prompts // max(1, num_constrained)))[:num_constrained])
+    plain = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
+    json_params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    mixed = [json_params if i in constrained_rows else plain for i in range(args.num_prompts)]
+
+    # warm-up: kernels compile, the grammar compiles, xgrammar reads the vocabulary
+    t = time.perf_counter()
+    llm.generate(prompts[:8], [SamplingParams(max_tokens=16, ignore_eos=True, structured_outputs=json_params.structured_outputs)
+                               if i % 2 else SamplingParams(max_tokens=16, ignore_eos=True) for i in range(8)],
+                 use_tqdm=False)
+    warmup_seconds = time.perf_counter() - t
+
+    runs = {"none_constrained": [], "constrained": [], "none_constrained_sync": []}
+    for r in range(args.repeats):
+        runs["none_constrained"].append(run_batch(llm, prompts, [plain] * args.num_prompts))
+        runs["constrained"].append(run_batch(llm, prompts, mixed))
+        if config.async_scheduling:  # the same batch stepped without launching ahead: the overlap's share
+            llm.llm_engine.config.async_scheduling = False
+            try:
+                runs["none_constrained_sync"].append(run_batch(llm, prompts, [plain] * args.num_prompts))
+            finally:
+                llm.llm_engine.config.async_scheduling = True
+        print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]['output_tokens_per_s']:.0f} tok/s"
+                                          for k, v in runs.items() if v), flush=True)
+
+    def median(kind: str) -> dict | None:
+        if not runs[kind]:
+            return None
+        rec = dict(min(runs[kind], key=lambda x: abs(x["seconds"] - statistics.median(y["seconds"] for y in runs[kind]))))
+        rec["all_seconds"] = [x["seconds"] for x in runs[kind]]
+        return rec
+
+    base, cons, sync = median("none_constrained"), median("constrained"), median("none_constrained_sync")
+    cost = cons["seconds"] / base["seconds"] - 1.0
+    record = {
+        "benchmark": "structured_outputs_throughput",
+        "model": args.model, "load_format": args.load_format, "dtype": args.dtype,
+        "commit": _git_commit(), "environment": environment_info(device=args.device),
+        "args": {k: v for k, v in vars(args).items() if not (k == "tokenizer" and v == tmp.name)},
+        "tokenizer_size": tokenizer_size, "vocab_size": vocab, "schema": SCHEMA,
+        "num_prompts": args.num_prompts, "num_constrained": len(constrained_rows),
+        "warmup_seconds": warmup_seconds,
+        "none_constrained": base, "constrained": cons, "none_constrained_sync": sync,
+        "cost": cost, "target_cost": TARGET_COST, "meets_target": cost < TARGET_COST,
+    }
+    if sync is not None:
+        record["cost_of_sync_steps"] = sync["seconds"] / base["seconds"] - 1.0
+    print(f"{len(constrained_rows)}/{args.num_prompts} constrained: {cons['output_tokens_per_s']:.0f} tok/s vs "
+          f"{base['output_tokens_per_s']:.0f} tok/s unconstrained: cost {100 * cost:.1f}% "
+          f"(target < {100 * TARGET_COST:.0f}%); mask host time {cons['mask_host_seconds']:.2f} s of "
+          f"{cons['seconds']:.2f} s", flush=True)
+    if args.output_json:
+        write_json(args.output_json, record)
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    sys.exit(main())
