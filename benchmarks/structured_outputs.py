@@ -137,10 +137,12 @@ def main(argv=None) -> int:
     vocab = llm.llm_engine.runner.vocab_size
 
     g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(1, min(vocab, tokenizer_size), (args.input_len,), generator=g).tolist()}
+    high = min(vocab, tokenizer_size)
+    prompts = [{"prompt_token_ids": torch.randint(1, high, (args.input_len,), generator=g).tolist()}
                for _ in range(args.num_prompts)]
     num_constrained = round(args.num_prompts * args.constrained_fraction)
-    constrained_rows = set(range(0, args.num_prompts, max(1, args.num_prompts // max(1, num_constrained)))[:num_constrained])
+    stride = max(1, args.num_prompts // max(1, num_constrained))
+    constrained_rows = set(range(0, args.num_prompts, stride)[:num_constrained])  # spread over the batch
     plain = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True)
     json_params = SamplingParams(temperature=1.0, max_tokens=args.output_len, ignore_eos=True,
                                  structured_outputs=StructuredOutputsParams(json=SCHEMA))
@@ -148,9 +150,9 @@ def main(argv=None) -> int:
 
     # warm-up: kernels compile, the grammar compiles, xgrammar reads the vocabulary
     t = time.perf_counter()
-    llm.generate(prompts[:8], [SamplingParams(max_tokens=16, ignore_eos=True, structured_outputs=json_params.structured_outputs)
-                               if i % 2 else SamplingParams(max_tokens=16, ignore_eos=True) for i in range(8)],
-                 use_tqdm=False)
+    warm = [SamplingParams(max_tokens=16, ignore_eos=True,
+                           structured_outputs=json_params.structured_outputs if i % 2 else None) for i in range(8)]
+    llm.generate(prompts[:8], warm, use_tqdm=False)
     warmup_seconds = time.perf_counter() - t
 
     runs = {"none_constrained": [], "constrained": [], "none_constrained_sync": []}
@@ -169,7 +171,8 @@ def main(argv=None) -> int:
     def median(kind: str) -> dict | None:
         if not runs[kind]:
             return None
-        rec = dict(min(runs[kind], key=lambda x: abs(x["seconds"] - statistics.median(y["seconds"] for y in runs[kind]))))
+        mid = statistics.median(x["seconds"] for x in runs[kind])
+        rec = dict(min(runs[kind], key=lambda x: abs(x["seconds"] - mid)))
         rec["all_seconds"] = [x["seconds"] for x in runs[kind]]
         return rec
 

@@ -92,7 +92,8 @@ class StructuredOutputsParams:
             else:
                 schema = self.json
             if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"StructuredOutputsParams.json must be a JSON schema (an object), got {self.json!r:.80}")
+                raise ValueError("StructuredOutputsParams.json must be a JSON schema (an object), "
+                                 f"got {self.json!r:.80}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -104,7 +105,8 @@ class StructuredOutputsParams:
             if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
                 raise ValueError("StructuredOutputsParams.choice must be a non-empty list of non-empty strings")
         if self.json_object is not None and self.json_object is not True:
-            raise ValueError(f"StructuredOutputsParams.json_object must be True (or left out), got {self.json_object!r}")
+            raise ValueError("StructuredOutputsParams.json_object must be True (or left out), "
+                             f"got {self.json_object!r}")
 
     @property
     def kind(self) -> str:

@@ -31,17 +31,48 @@ import uuid
 from typing import AsyncIterator
 
 from mambaserve.chat import render_chat
-from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput, RequestStream
+from mambaserve.entrypoints.async_engine import (
+    AsyncEngine,
+    EngineError,
+    EngineInput,
+    RequestStream,
+)
 from mambaserve.entrypoints.constraints import ConstraintError, structured_outputs_of
-from mambaserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                             ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
-                                             ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
-                                             CompletionLogProbs, CompletionRequest, CompletionResponse,
-                                             DeltaFunctionCall, DeltaMessage, DeltaToolCall, DetokenizeRequest,
-                                             DetokenizeResponse, ErrorInfo, ErrorResponse, FunctionCall,
-                                             NamedToolChoice, PromptLogprob, SamplingRequest, TokenizeRequest,
-                                             TokenizeResponse, ToolCall, TopLogprob, UsageInfo)
-from mambaserve.entrypoints.tool_parsers import ToolCallParser, ToolCallStream, new_call_id
+from mambaserve.entrypoints.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    FunctionCall,
+    NamedToolChoice,
+    PromptLogprob,
+    SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    ToolCall,
+    TopLogprob,
+    UsageInfo,
+)
+from mambaserve.entrypoints.tool_parsers import (
+    ToolCallParser,
+    ToolCallStream,
+    new_call_id,
+)
 from mambaserve.outputs import CompletionOutput, RequestOutput
 from mambaserve.sampling_params import Logprob, SamplingParams
 
@@ -231,8 +262,9 @@ class OpenAIServing:
             if req.messages is None:
                 ids = self._tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
             else:
+                tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
                 ids = self._tokenize(self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                                  req.chat_template_kwargs), add_special_tokens=False)
+                                                  req.chat_template_kwargs, tools=tools), add_special_tokens=False)
             return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
         return await self._in_lane("tokenize", work)
 
@@ -357,9 +389,9 @@ class OpenAIServing:
         if req.n > MAX_SEQUENCES_PER_REQUEST:
             raise ApiError(400, f"n must be <= {MAX_SEQUENCES_PER_REQUEST}", param="n")
         tools = self._tool_parser(req)
-        text = self._render(req.messages, req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
-                            tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-                            documents=req.documents)
+        tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        text = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                            req.chat_template_kwargs, tools=tool_defs, documents=req.documents)
         ids = self._tokenize(text, add_special_tokens=req.add_special_tokens)
         max_tokens = req.max_completion_tokens or req.max_tokens
         self._check_prompt(ids, max_tokens, "messages")
@@ -483,7 +515,8 @@ class OpenAIServing:
                     **{k: getattr(lps, k) + getattr(more, k) for k in CompletionLogProbs.model_fields})
         return CompletionChoice(index=index * job.params.n + c.index, text=text, logprobs=lps,
                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                prompt_logprobs=None if job.prompt_top is None else _prompt_logprobs(out, job.prompt_top))
+                                prompt_logprobs=None if job.prompt_top is None else
+                                _prompt_logprobs(out, job.prompt_top))
 
     async def completion_response(self, job: _Job, stream: RequestStream) -> CompletionResponse:
         """The whole completion response, once every prompt's request has finished."""
@@ -564,8 +597,9 @@ class OpenAIServing:
         for c in finals[0].outputs:
             lps = self._chat_logprobs(c.token_ids, c.logprobs or [], job.num_top) if job.num_top is not None else None
             content, tool_calls, finish = _tool_calls(job, c.text, c.finish_reason)
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=tool_calls),
-                                      logprobs=lps, finish_reason=finish, stop_reason=c.stop_reason))
+            message = ChatResponseMessage(content=content, tool_calls=tool_calls)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=lps, finish_reason=finish,
+                                      stop_reason=c.stop_reason))
         return ChatCompletionResponse(
             id=job.request_id, created=job.created, model=self.model_name, choices=choices,
             usage=self._usage(job, finals),

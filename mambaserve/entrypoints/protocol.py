@@ -15,7 +15,14 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    model_serializer,
+    model_validator,
+)
 
 from mambaserve.entrypoints import request_fields
 
@@ -265,6 +272,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Field(min_length=1, max_length=128)] | None = None  # to the template
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -371,6 +379,13 @@ class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler):
+        out = handler(self)
+        if not out.get("tool_calls"):
+            out.pop("tool_calls", None)  # as OpenAI: only a reply that calls tools has the key
+        return out
 
 
 class ChatChoice(BaseModel):

@@ -53,7 +53,8 @@ def test_each_kind_of_constraint_holds(llm):
               constrained(json_object=True), constrained(regex=r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"),
               constrained(choice=["yes", "no", "it depends"]), constrained(grammar=grammar, temperature=1.0)]
     # an object of any shape can go on forever: "# JSON:" is a prompt the demo model closes one after
-    outs = llm.generate([PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0], PROMPTS[1], PROMPTS[2]], params, use_tqdm=False)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
     for out, p in zip(outs, params):
         c = out.outputs[0]
         assert c.finish_reason == "stop", (c.text, p.structured_outputs)
@@ -189,3 +190,23 @@ def test_chat_with_tools_constrained_to_a_call(llm):
     call = json.loads(out.outputs[0].text)
     assert call["name"] == "get_weather"
     jsonschema.validate(call["arguments"], tools[0]["function"]["parameters"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_on_the_gpu_with_graphs_batched_equals_alone():
+    """The pinned-memory copy, the device kernel, the gathered rows and CUDA-graph decode steps:
+    a batch mixing constrained and unconstrained requests equals each request alone."""
+    prompts = PROMPTS * 3
+    params = [constrained(json=SCHEMA), SamplingParams(temperature=0.0, max_tokens=24),
+              constrained(regex=r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)"),
+              SamplingParams(temperature=0.7, seed=2, max_tokens=24)] * 3
+    llm = LLM(dtype="float32", device="cuda")
+    ref = [texts(llm.generate(p, sp, use_tqdm=False))[0] for p, sp in zip(prompts, params)]
+    assert texts(llm.generate(prompts, params, use_tqdm=False)) == ref
+    for p, t in zip(params, ref):
+        if p.structured_outputs is not None and p.structured_outputs.json is not None:
+            jsonschema.validate(json.loads(t[0]), SCHEMA)
+        elif p.structured_outputs is not None:
+            assert re.fullmatch(p.structured_outputs.regex, t[0])
+    assert "decode_graph/decode" in llm.llm_engine.step_breakdown
