@@ -11,6 +11,8 @@
 #   kernels            bamba-9b step profiles, the Mamba2 kernel benchmarks and sweep, the decode MoE
 #                      tile sweep (~7 min)
 #   throughput-steps   bamba-9b throughput with its step breakdown; a granite step profile (~4 min)
+#   structured-outputs granite-4.0-tiny-preview: 256 requests, 25% constrained by a JSON schema vs none
+#                      (xgrammar from the wheels in .whl/ when it is not installed; ~6 min)
 # Afterwards, in the checkout: `python3 benchmarks/file_results.py OUT/*.json --commit HASH` files the
 # latency and throughput records (and bench-models.json) under benchmarks/results/<gpu>/; kernel and
 # profile records go by hand to <gpu>/kernels/ and <gpu>/profiles/ (benchmarks/results/README.md).
@@ -21,6 +23,12 @@ OUT=${OUT:-$(mktemp -d)}
 BENCH="python3 -m mambaserve.entrypoints.cli bench"
 DUMMY="--load-format dummy --dtype bfloat16 --skip-tokenizer-init --disable-tqdm"
 case "${1:-}" in
+  structured-outputs)
+    python3 -c "import xgrammar" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl xgrammar
+    timeout 570 python3 benchmarks/structured_outputs.py --model benchmarks/configs/granite-4.0-tiny-preview.json \
+      --load-format dummy --dtype bfloat16 --num-prompts 256 --constrained-fraction 0.25 \
+      --output-json "$OUT/structured-outputs-granite-4.0-tiny-preview.json" 2>&1 | tail -8
+    ;;
   models)
     timeout 570 python3 benchmarks/bench_models.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
     ;;
@@ -78,6 +86,6 @@ case "${1:-}" in
     timeout 90 python3 benchmarks/profile_step.py --model granite-4.0-tiny-preview --modes graphed \
       --output-json "$OUT/profile-granite-4.0-tiny-preview-in1024-bs1.json" 2>&1 | grep -E "^\[|^ "
     ;;
-  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps" >&2; exit 2 ;;
+  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps|structured-outputs" >&2; exit 2 ;;
 esac
 echo "results in $OUT"
