@@ -12,11 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mambaserve.entrypoints.protocol import (
-    ChatCompletionRequest,
-    NamedToolChoice,
-    SamplingRequest,
-)
+from mambaserve.entrypoints.protocol import ChatCompletionRequest, NamedToolChoice, SamplingRequest
 from mambaserve.sampling_params import StructuredOutputsParams
 
 CONFIG_KEYS = {"backend", "disable_any_whitespace", "disable_additional_properties"}

@@ -31,48 +31,17 @@ import uuid
 from typing import AsyncIterator
 
 from mambaserve.chat import render_chat
-from mambaserve.entrypoints.async_engine import (
-    AsyncEngine,
-    EngineError,
-    EngineInput,
-    RequestStream,
-)
+from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput, RequestStream
 from mambaserve.entrypoints.constraints import ConstraintError, structured_outputs_of
-from mambaserve.entrypoints.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogProbs,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogProbs,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaFunctionCall,
-    DeltaMessage,
-    DeltaToolCall,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
-    FunctionCall,
-    NamedToolChoice,
-    PromptLogprob,
-    SamplingRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-    ToolCall,
-    TopLogprob,
-    UsageInfo,
-)
-from mambaserve.entrypoints.tool_parsers import (
-    ToolCallParser,
-    ToolCallStream,
-    new_call_id,
-)
+from mambaserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                             ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
+                                             ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogProbs,
+                                             CompletionRequest, CompletionResponse, DeltaFunctionCall, DeltaMessage,
+                                             DeltaToolCall, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
+                                             ErrorResponse, FunctionCall, NamedToolChoice, PromptLogprob,
+                                             SamplingRequest, TokenizeRequest, TokenizeResponse, ToolCall, TopLogprob,
+                                             UsageInfo)
+from mambaserve.entrypoints.tool_parsers import ToolCallParser, ToolCallStream, new_call_id
 from mambaserve.outputs import CompletionOutput, RequestOutput
 from mambaserve.sampling_params import Logprob, SamplingParams
 

@@ -15,14 +15,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    StrictInt,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 from mambaserve.entrypoints import request_fields
 

@@ -49,14 +49,8 @@ from mambaserve.entrypoints.constraints import parse_config
 from mambaserve.entrypoints.http_protocol import DEFAULT_HEADER_TIMEOUT, JsonErrorH11Protocol
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
-from mambaserve.entrypoints.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
+from mambaserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
+                                             ModelList, TokenizeRequest)
 from mambaserve.entrypoints.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger("mambaserve.server")
