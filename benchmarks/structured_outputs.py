@@ -7,9 +7,10 @@ same batch with a fraction constrained by a JSON schema, in one process, on one 
 Every request generates exactly --output-len tokens (EOS ignored; the schema is a list that must
 hold more items than fit, so a constrained request never completes early), so both runs produce
 the same tokens and the cost is the ratio of their elapsed times. The constrained requests pay
-for the grammar (masks filled on the host, applied on the device) and for their steps not being
-launched ahead of the host (async scheduling needs no host state; a mask needs the previous
-token). A third run without constraints and without async scheduling separates the two.
+for the grammar (masks filled on the host, applied on the device) and for the wait of each step's
+sampling on the host (with async scheduling the forward is launched ahead, but a mask needs the
+previous token's grammar state). A third run without constraints and without async scheduling
+shows what the whole overlap is worth.
 
 Dummy-weight configs have no tokenizer: unless --tokenizer names one, a byte-level BPE with the
 model's vocabulary size is trained on the Python standard library's sources (no network needed),

@@ -36,8 +36,7 @@ from mambaserve.structured_outputs import StructuredOutputs
 
 
 class QueueFullError(RuntimeError):
-    """add_request found no room for a request's n sequences within max_queue_len waiting
-    sequences (the server answers 503)."""
+    """add_request found no room for a request's n sequences within max_queue_len (the server answers 503)."""
 
 
 @dataclass
@@ -60,11 +59,11 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         runner = self.runner
         self.input_processor = InputProcessor(config, runner.model.config, runner.vocab_size, runner.max_model_len)
-        eos, extra_eos = self.input_processor.eos_token_ids, self.input_processor.extra_eos_token_ids
+        tok, eos, extra_eos = (self.input_processor.tokenizer, self.input_processor.eos_token_ids,
+                               self.input_processor.extra_eos_token_ids)
         # grammar matchers of constrained sequences: masks applied here, tokens fed by the output processor
-        self.structured_outputs = StructuredOutputs(self.input_processor.tokenizer, runner.vocab_size, eos + extra_eos)
-        self.output_processor = OutputProcessor(self.input_processor.tokenizer, eos, extra_eos, runner.max_model_len,
-                                                self.structured_outputs)
+        self.structured_outputs = StructuredOutputs(tok, runner.vocab_size, eos + extra_eos)
+        self.output_processor = OutputProcessor(tok, eos, extra_eos, runner.max_model_len, self.structured_outputs)
         self.slot_pool = StateSlotPool(runner.num_slots - 1)  # the last slot is the scratch slot
         self.block_pool = BlockPool(runner.num_blocks, config.block_size) if runner.has_attention else None
         self.scheduler = Scheduler(
@@ -97,12 +96,11 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.time() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, now)
-        limit, n = self.config.max_queue_len, len(req.seqs)  # each of the n sequences counts, before any is added
+        limit, n, waiting = self.config.max_queue_len, len(req.seqs), self.scheduler.num_waiting  # n sequences count
         if limit is not None and n > limit:  # it could never be queued: the request's fault (the server's 400)
             raise ValueError(f"n={n} sequences exceed max_queue_len={limit} waiting sequences")
-        if limit is not None and self.scheduler.num_waiting + n > limit:
-            raise QueueFullError(f"the request queue is full ({self.scheduler.num_waiting} of {limit} waiting "
-                                 f"sequences; this request adds {n})")
+        if limit is not None and waiting + n > limit:
+            raise QueueFullError(f"the request queue is full ({waiting} of {limit} waiting sequences; this adds {n})")
         self.output_processor.add(req, final_only)
         try:
             for seq in req.seqs:
@@ -156,11 +154,12 @@ class LLMEngine:
         return outputs
 
     def _take_inflight(self) -> _Step | None:
-        """The decode step the previous call launched ahead, unless every sequence of it
-        finished or was aborted meanwhile (then it is dropped)."""
+        """The decode step the previous call launched ahead, unless every sequence of it finished or was
+        aborted meanwhile (then it is dropped); one launched unsampled (constrained rows) is sampled now."""
         step, self._inflight = self._inflight, None
         if step is None or all(s.seq.is_finished for s in step.scheduled):
             return None
+        step.sample = step.sample or self._sample(step.result)
         return step
 
     def _schedule_and_run(self) -> _Step | None:
@@ -170,25 +169,25 @@ class LLMEngine:
         self.stats.preemptions += len(sched.preempted)
         if sched.is_empty:
             return None
-        return self._launch_sampling(sched.scheduled, self.runner.execute(sched.scheduled))
+        result = self.runner.execute(sched.scheduled)
+        return _Step(sched.scheduled, result, self._sample(result))
 
-    def _launch_sampling(self, scheduled: list[ScheduledSequence], result: StepLogits) -> _Step:
-        """Enqueue the sampling of a forward's logits (nothing to sample: a step of prompt chunks),
-        the constrained rows masked first (their masks are filled on the host while the forward runs)."""
+    def _sample(self, result: StepLogits) -> PendingSample | None:
+        """Enqueue the sampling of a forward's logits, constrained rows masked first; None: nothing to sample."""
         if not result.sample_seqs:
-            return _Step(scheduled, result, None)
+            return None
         self.structured_outputs.apply(result.sample_logits, result.sample_seqs)
-        return _Step(scheduled, result, self.sampler.launch(result.sample_logits, result.sample_seqs))
+        return self.sampler.launch(result.sample_logits, result.sample_seqs)
 
     def _launch_next(self, step: _Step) -> _Step | None:
-        """Launch the decode step that follows `step`, whose tokens are still on the device, if
-        it does not depend on them beyond their values: `step` was a decode step of every
-        running sequence, nothing waits for admission, and every sequence continuing needs no
-        penalties, no logprobs, no min_tokens masking and no structured output (they read the
-        host's token lists or grammar state), and gets its KV block now. A sequence that reaches
-        its length limit with `step` is left out; one that stops on a token of `step` (EOS, a
-        stop string) is discovered afterwards and its extra token is dropped. Returns the
-        launched step, or None."""
+        """Launch the decode step that follows `step`, whose tokens are still on the device, if it does
+        not depend on them beyond their values: `step` was a decode step of every running sequence, nothing
+        waits for admission, and every sequence continuing needs no penalties, no logprobs and no min_tokens
+        masking (they read the host's token lists), and gets its KV block now. A sequence that reaches its
+        length limit with `step` is left out; one that stops on a token of `step` (EOS, a stop string) is
+        discovered afterwards and its extra token is dropped. With a constrained sequence among them only
+        the forward is launched: its masks need the grammars after `step`'s tokens (`_take_inflight`
+        samples it). Returns the launched step, or None."""
         if (step.result.path not in ("decode_graph", "eager") or step.sample is None or self.scheduler.waiting
                 or any(s.num_new_tokens != 1 or s.seq.num_computed_tokens + 1 != s.seq.num_tokens
                        for s in step.scheduled)):
@@ -203,8 +202,7 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             # the sampler masks min_tokens from the host's count, one behind for the launched step
-            if (p.has_penalties or p.logprobs is not None or seq.num_output_tokens + 1 <= p.min_tokens
-                    or p.structured_outputs is not None):
+            if p.has_penalties or p.logprobs is not None or seq.num_output_tokens + 1 <= p.min_tokens:
                 return None
             if seq.num_output_tokens + 1 >= (p.max_tokens or max_len) or seq.num_tokens + 1 >= max_len:
                 continue  # finishes on step's token
@@ -214,7 +212,8 @@ class LLMEngine:
             return None
         chained = self.runner.execute_chained_decode(seqs, step.sample.token_ids,
                                                      None if len(rows) == len(step.scheduled) else rows)
-        return self._launch_sampling([ScheduledSequence(seq, 1) for seq in seqs], chained)
+        sample = None if self.structured_outputs.constrains(seqs) else self._sample(chained)
+        return _Step([ScheduledSequence(seq, 1) for seq in seqs], chained, sample)
 
     def _update(self, step: _Step) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: computed counts, prompt logprobs,

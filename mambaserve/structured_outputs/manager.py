@@ -3,7 +3,8 @@ step's token masks applied to the logits of those sequences only, and each sampl
 back to its matcher.
 
 A step with no constrained sequence costs one scan of the batch's sampling params. Otherwise,
-after the forward is launched (so that on a GPU the host work overlaps it), the masks of the
+after the forward is launched (so that on a GPU the host work overlaps it; a forward chained
+ahead by async scheduling is sampled once the host has processed the step before), the masks of the
 constrained rows are filled on host threads in one batched call into a pinned int32 bitmask
 (rows, ceil(vocab / 32)), copied to the device without blocking, and applied to those rows of
 the logits before the sampler's own processing (temperature, top-k/p, ...): masked tokens get
@@ -53,11 +54,20 @@ class StructuredOutputs:
         for seq in seqs:
             self._matchers[seq] = xgr.GrammarMatcher(compiled)
 
+    @staticmethod
+    def constrains(seqs: list[Sequence]) -> bool:
+        """Whether any of `seqs` has a structured output (its sampling must wait for its grammar)."""
+        return any(seq.sampling_params.structured_outputs is not None for seq in seqs)
+
     @torch.inference_mode()  # the logits are inference tensors, written in place
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Mask, in place, the rows of `logits` (batch, vocab) whose sequence (seqs[i] for row i)
-        is constrained: every token its grammar does not allow next gets -inf."""
-        rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.structured_outputs is not None]
+        is constrained and not finished: every token its grammar does not allow next gets -inf.
+        The matchers must have accepted every token before these logits' (the engine samples a
+        chained step with constrained rows only after processing the step before it)."""
+        # a sequence that finished meanwhile (a chained step's row) is skipped: its token is dropped
+        rows = [i for i, seq in enumerate(seqs) if seq.sampling_params.structured_outputs is not None
+                and not seq.is_finished]
         if not rows:
             return
         matchers = [self._matchers[seqs[i]] for i in rows]

@@ -105,7 +105,18 @@ def test_batched_equals_alone_without_async_and_preempted():
     # 12 blocks of 4 tokens cannot hold all eight at once: sequences are preempted and recomputed
     for kw in (dict(), dict(block_size=4, num_kv_blocks=16, max_model_len=64)):
         llm = LLM(dtype="float32", device="cpu", **kw)
+        runner, chained = llm.llm_engine.runner, []
+        real = runner.execute_chained_decode
+
+        def counting(seqs, *args, **kwargs):
+            chained.append(any(s.sampling_params.structured_outputs is not None for s in seqs))
+            return real(seqs, *args, **kwargs)
+
+        runner.execute_chained_decode = counting
         assert texts(llm.generate(prompts, params, use_tqdm=False)) == ref, kw
+        # async scheduling launched decode forwards of constrained sequences ahead of the host
+        # (their sampling waited for the grammar state): and the outputs are still those above
+        assert any(chained)
         if kw:
             assert llm.llm_engine.stats["preemptions"] > 0
         assert_pools_empty(llm)
