@@ -385,7 +385,7 @@ class OpenAIServing:
         if self.auto_tool_parser is None:
             raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 'set (or send tool_choice "none", "required" or a named function)', param="tool_choice")
-        return ToolCallParser(self.auto_tool_parser)
+        return ToolCallParser(self.auto_tool_parser, max_calls=None if req.parallel_tool_calls else 1)
 
     def _render(self, messages, add_generation_prompt: bool, continue_final_message: bool,
                 chat_template_kwargs: dict | None, tools: list | None = None, documents: list | None = None) -> str:

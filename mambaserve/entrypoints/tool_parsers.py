@@ -104,12 +104,13 @@ def _scan_list(text: str, i: int) -> list[CallText]:
 class ToolCallParser:
     """Finds tool calls in (a prefix of) a reply. mode: "hermes" or "granite" (tool_choice auto,
     the model's own format), "required" (a JSON list of calls) or "named" (the arguments of
-    `name`)."""
+    `name`). max_calls: calls beyond it are left out (parallel_tool_calls=false: 1; a required
+    reply's grammar already stops at one then)."""
 
-    def __init__(self, mode: str, name: str | None = None):
+    def __init__(self, mode: str, name: str | None = None, max_calls: int | None = None):
         if mode not in (*PARSERS, "required", "named"):
             raise ValueError(f"unknown tool-call parser {mode!r}: choose one of {', '.join(PARSERS)}")
-        self.mode, self.name = mode, name
+        self.mode, self.name, self.max_calls = mode, name, max_calls
         self.tags = ["<tool_call>"] + (["<|tool_call|>"] if mode == "granite" else [])
 
     def parse(self, text: str, final: bool) -> Parsed:
@@ -149,9 +150,9 @@ class ToolCallParser:
         max_tokens ended the reply, as OpenAI's can be)."""
         parsed = self.parse(text, final=True)
         if self.incremental:
-            return None, [c for c in parsed.calls if c.name is not None]
+            return None, [c for c in parsed.calls if c.name is not None][:self.max_calls]
         calls = []
-        for c in parsed.calls:
+        for c in parsed.calls[:self.max_calls]:
             if not (c.complete and c.name is not None and _is_json(c.arguments)):
                 break
             calls.append(c)
@@ -210,7 +211,7 @@ class ToolCallStream:
                 self.content_sent += len(rest)
                 return content + rest, []
         deltas = []
-        for k, call in enumerate(parsed.calls):
+        for k, call in enumerate(parsed.calls[:parser.max_calls]):
             if call.name is None:
                 break
             if not parser.incremental and k >= len(self.ids) and not (call.complete and _is_json(call.arguments)):

@@ -66,6 +66,15 @@ def test_named_function_reply_is_its_arguments():
     assert stream.update("", False)[1][0][1:3] != (None, None)  # id and name come first, before any argument
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    parser = ToolCallParser("hermes", max_calls=1)
+    content, calls = parser.final(HERMES)
+    assert content == "I will check. " and [c.name for c in calls] == ["get_weather"]
+    stream = ToolCallStream(parser)
+    sent = [d for cut in range(1, len(HERMES) + 1) for d in stream.update(HERMES[:cut], cut == len(HERMES))[1]]
+    assert {k for k, *_ in sent} == {0}
+
+
 def test_unknown_parser_refused():
     with pytest.raises(ValueError, match="hermes"):
         ToolCallParser("mistral")
