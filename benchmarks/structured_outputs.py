@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mambaserve.benchmarks.common import environment_info, has_tokenizer, write_json  # noqa: E402
-from mambaserve.entrypoints.args import add_engine_args, engine_config_from_args  # noqa: E402
+from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args  # noqa: E402
 
 TARGET_COST = 0.10
 # a list of records that cannot be complete within any benchmark's output length
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     config = engine_config_from_args(args)
     llm = LLM.from_config(config)
     tokenizer_size = len(llm.get_tokenizer())
-    vocab = llm.llm_engine.runner.vocab_size
+    vocab = llm.llm_engine.vocab_size
 
     g = torch.Generator().manual_seed(0)
     high = min(vocab, tokenizer_size)

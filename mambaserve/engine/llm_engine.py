@@ -32,7 +32,7 @@ from mambaserve.engine.scheduler import ScheduledSequence, Scheduler
 from mambaserve.engine.stats import EngineStats, EngineUsage, MemoryUsage
 from mambaserve.outputs import RequestOutput
 from mambaserve.sampling_params import SamplingParams
-from mambaserve.structured_outputs import StructuredOutputs
+from mambaserve.structured_outputs import GrammarCompiler, StructuredOutputs
 
 
 class QueueFullError(RuntimeError):
@@ -244,6 +244,10 @@ class LLMEngine:
     def eos_token_ids(self) -> list[int]:
         """Token ids that end a request silently (the model config's and the tokenizer's)."""
         return list(self.input_processor.eos_token_ids)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:  # thread-safe; its cache of compiled constraints is the engine's
+        return self.structured_outputs.compiler
 
     @property
     def vocab_size(self) -> int:

@@ -2,8 +2,9 @@
 
 It holds each live request's state (its sequences, their detokenised text, its timing), appends
 the sampled tokens, detokenises them incrementally, decides which sequences stop (EOS and
-generation-config end tokens, stop token ids, stop strings, length limits), fills logprob
-records and their decoded tokens, and builds the outputs. It decides but does not act: the
+generation-config end tokens, stop token ids, stop strings, length limits, a structured output
+completed), feeds each constrained sequence's token to its grammar matcher, fills logprob records
+and their decoded tokens, and builds the outputs. It decides but does not act: the
 engine hands the finished sequences to the scheduler. It knows nothing of scheduling or models.
 """
 

@@ -191,7 +191,7 @@ class OpenAIServing:
         self.auto_tool_parser = tool_call_parser if enable_auto_tool_choice else None
         self.structured_defaults = dict(structured_outputs_config or {})
         # thread-safe: constraints are compiled in the tokenizing thread (400 for a bad one)
-        self.grammar = engine.engine.structured_outputs.compiler
+        self.grammar = engine.engine.grammar_compiler
         tok = engine.engine.tokenizer
         # A private copy for the event loop (logprob labels, echoed prompts); each tokenizing
         # thread below takes its own copy of it, as the engine thread has its own.

@@ -40,7 +40,7 @@ def llm():
 
 def assert_pools_empty(llm):
     e = llm.llm_engine
-    assert e.slot_pool.num_used == 0 and not e.has_unfinished_requests() and e.num_requests == 0
+    assert e.usage().num_slots_used == 0 and not e.has_unfinished_requests() and e.num_requests == 0
 
 
 def texts(outs):
@@ -118,7 +118,7 @@ def test_batched_equals_alone_without_async_and_preempted():
         # (their sampling waited for the grammar state): and the outputs are still those above
         assert any(chained)
         if kw:
-            assert llm.llm_engine.stats["preemptions"] > 0
+            assert llm.llm_engine.usage().preemptions > 0
         assert_pools_empty(llm)
 
 
@@ -220,4 +220,4 @@ def test_on_the_gpu_with_graphs_batched_equals_alone():
             jsonschema.validate(json.loads(t[0]), SCHEMA)
         elif p.structured_outputs is not None:
             assert re.fullmatch(p.structured_outputs.regex, t[0])
-    assert "decode_graph/decode" in llm.llm_engine.step_breakdown
+    assert "decode_graph/decode" in llm.llm_engine.usage().step_breakdown
