@@ -68,6 +68,28 @@ def cut_before_near_ties(hf, prompts, runs_a, runs_b):
 
 
 @pytest.mark.parametrize("name", GPU_FAMILIES)
+def test_graphs_equal_eager_float32(name):
+    """Greedy runs with decode graphs (batches padded to 1, 4 and 16) against eager in float32 (TF32
+    off): rounding is 2^16 times finer than bfloat16's, so a router near tie cannot explain a
+    difference here, and the graphs must give the eager tokens and logprobs to 1e-3 nats. This is
+    the test of the graph mechanism (padding rows, scratch slot, captured plans); the bfloat16
+    test below checks that reduced precision only ever flips near ties."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5)
+    prompts = prompts_for(name, lens=(1, 2, 3, 9, 17, 30, 64, 5, 7))
+    kw = dict(skip_tokenizer_init=True, dtype="float32", device="cuda", max_num_seqs=16,
+              cuda_graph_sizes=[1, 2, 4, 8, 16], gpu_memory_utilization=SHARE)
+    eager = LLM(checkpoint(name), enforce_eager=True, **kw)
+    graphed = LLM(checkpoint(name), **kw)
+    assert graphed.llm_engine.runner.decode_graphs is not None
+    for batch in ([prompts[0]], prompts[:3], prompts[:9]):
+        diverged = assert_greedy_close(gen_with_logprobs(graphed, batch, params), gen_with_logprobs(eager, batch, params),
+                                       max_gap=1e-3, logprob_tol=1e-3)
+        assert diverged == [None] * len(batch)
+
+
+@pytest.mark.parametrize("name", GPU_FAMILIES)
 def test_graphs_equal_eager_bf16(name):
     """Greedy runs with decode graphs (batches padded to 1, 4 and 16) against eager, bfloat16.
     MoE families: prompts drawn away from router near ties; TIE_AWARE ones compared up to the
@@ -90,7 +112,11 @@ def test_graphs_equal_eager_bf16(name):
         if name in TIE_AWARE:
             *runs, n = cut_before_near_ties(hf, batch, *runs)
             kept += n
-        diverged += assert_greedy_close(*runs)
+        # TIE_AWARE: an expert picked in one run and not the other moves later logprobs by up to
+        # ~0.4 nats without a token flip (seen on an H200: Jamba, 0.36 at step 47, while the float32
+        # test above agrees to 3e-6 on the same prompts), so only their token flips are held to
+        # the near-tie bar and their logprobs to a wider band
+        diverged += assert_greedy_close(*runs, logprob_tol=0.6 if name in TIE_AWARE else 0.25)
     print("first differing step per sequence (None: all compared steps equal):", diverged)
     if name in TIE_AWARE:
         print("steps compared per sequence (before a router near tie):", kept)
