@@ -5,6 +5,11 @@ meta device, materialises it on the target device and fills it from safetensors 
 file, or many through model.safetensors.index.json) by HF parameter name, or with random
 "dummy" weights. Missing, unexpected or mis-shaped tensors raise an error naming the tensor.
 A path to a bare config .json file (no weights) is accepted with load_format="dummy".
+
+Under tensor parallelism (a `TensorParallelGroup` of several ranks) the model is built for the
+rank (`distributed.building_with`): its layers hold their shards, refusing sizes that do not
+split before any tensor is read, and each sharded parameter reads only its ranges of the
+checkpoint tensor (`layers.linear.Shard.load`, safetensors `get_slice`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
+from mambaserve.distributed import SINGLE, TensorParallelGroup, building_with
+from mambaserve.layers.linear import shards_of
 from mambaserve.models import get_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -73,10 +80,12 @@ def _float32_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
-def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
-    """The registered model class for `config`, with uninitialised parameters on `device`."""
+def build_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device | str,
+                group: TensorParallelGroup = SINGLE) -> torch.nn.Module:
+    """The registered model class for `config`, with uninitialised parameters on `device`:
+    rank `group.rank`'s shard of it. Raises ValueError for a model the group cannot split."""
     cls = get_model_class(config)
-    with torch.device("meta"):
+    with torch.device("meta"), building_with(group):
         model = cls(config)
     keep32 = _float32_names(model)
     for name, p in model.named_parameters():
@@ -103,8 +112,10 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     Raises ValueError naming the tensor on an unexpected name, a shape mismatch, or a missing
     parameter. With tied embeddings a stored lm_head.weight is ignored, and so are tensors
     under the model's `checkpoint_ignore_prefixes` (parts of the checkpoint it does not use).
+    A parameter holding a tensor-parallel shard reads only its part of the tensor.
     """
     params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
+    shards = shards_of(model)
     tied = getattr(model.config, "tie_word_embeddings", False)
     ignored = tuple(getattr(model, "checkpoint_ignore_prefixes", ()))
     loaded: set[str] = set()
@@ -115,8 +126,15 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
                     continue
                 if name not in params:
                     raise ValueError(f"unexpected tensor {name!r} in {file.name}: no such parameter in {type(model).__name__}")
-                tensor = f.get_tensor(name)
                 p = params[name]
+                if name in shards:
+                    try:
+                        shards[name].load(p, f.get_slice(name), name)
+                    except ValueError as e:
+                        raise ValueError(f"{e} in {file.name}") from None
+                    loaded.add(name)
+                    continue
+                tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(p.shape):
                     raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in {file.name}, expected {tuple(p.shape)}")
                 p.copy_(tensor.to(p.dtype))
@@ -133,17 +151,20 @@ def load_model(
     device: torch.device | str = "cpu",
     load_format: str = "auto",
     seed: int = 0,
+    group: TensorParallelGroup = SINGLE,
 ) -> torch.nn.Module:
     """Load a checkpoint directory (or build a config with random weights, load_format="dummy").
 
-    Returns the model in eval mode on `device` with `model.config` set. Raises ValueError for an
-    unknown architecture or load_format, a missing file, or a tensor that doesn't fit.
+    Returns the model in eval mode on `device` with `model.config` set: under tensor
+    parallelism, rank `group.rank`'s shard (dummy weights then are drawn per shard). Raises
+    ValueError for an unknown architecture or load_format, a missing file, a tensor that
+    doesn't fit, or sizes the group cannot split (before any tensor is read).
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"unsupported load_format {load_format!r}; expected 'auto', 'safetensors' or 'dummy'")
     config = load_config(model)
     torch_dtype = resolve_dtype(dtype, config)
-    net = build_model(config, torch_dtype, device)
+    net = build_model(config, torch_dtype, device, group)
     if load_format == "dummy":
         net.init_dummy_weights(seed)
     else:
@@ -154,3 +175,12 @@ def load_model(
     if finalize is not None:  # layouts derived from the loaded weights (e.g. fused experts)
         finalize()
     return net
+
+
+def check_tensor_parallel(model: str | os.PathLike, world_size: int) -> None:
+    """Raise ValueError, with the reason, when the checkpoint (or config) `model` cannot be split
+    over `world_size` tensor-parallel ranks; builds it on the meta device only (no memory, no
+    weight read), as every rank would. The sharding rules are the layers' (their docstrings)."""
+    config = load_config(model)
+    with torch.device("meta"), building_with(TensorParallelGroup(rank=0, world_size=world_size)):
+        get_model_class(config)(config)  # the rules do not depend on the rank: rank 0 stands for all
