@@ -9,6 +9,11 @@ One layer serves every family, Zamba2's shared blocks included: their input is w
 output (`input_size`), one module runs at several depths, each with its own KV cache
 (`cache_index` as a tuple, the depth's index given per call) and its own LoRA adapters on q, k
 and v (`lora_rank`).
+
+Tensor parallelism (built inside `distributed.building_with`) splits the query heads, and the
+KV heads with them (`kv_head_range`: replicated when the ranks outnumber them); q/k/v are
+column-parallel, o_proj row-parallel (one all-reduce). num_heads and num_kv_heads are the
+rank's, and so is its KV cache spec.
 """
 
 from __future__ import annotations
@@ -20,10 +25,26 @@ from torch import nn
 
 from mambaserve import ops
 from mambaserve.cache.spec import AttentionSpec, CacheDtypes
+from mambaserve.distributed import TensorParallelGroup, current_group
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
+from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, even_range
 from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.rotary import RotaryEmbedding
+
+
+def kv_head_range(num_kv_heads: int, group: TensorParallelGroup) -> tuple[int, int]:
+    """The rank's KV heads (start, end): its even share when the world size divides them, else
+    (a world size that is a multiple of num_kv_heads) the one head its query heads read,
+    replicated on world_size / num_kv_heads ranks. Raises ValueError for any other size."""
+    R = group.world_size
+    if num_kv_heads >= R:
+        return even_range(num_kv_heads, group, "the KV heads (num_key_value_heads)")
+    if R % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={R} exceeds num_key_value_heads={num_kv_heads} without being a "
+                         "multiple of it: each KV head would be replicated on a whole number of ranks")
+    head = group.rank // (R // num_kv_heads)
+    return head, head + 1
 
 
 class Attention(nn.Module):
@@ -42,31 +63,38 @@ class Attention(nn.Module):
         cache_index: int | tuple[int, ...] = 0,
         input_size: int | None = None,
         lora_rank: int | None = None,
+        reduce_results: bool = True,
     ):
         """cache_index: the layer's KV cache index, or for a layer shared by several depths one
         index per depth (forward then takes the calling depth's). input_size: the input's width
         when it is not hidden_size (Zamba2: concat(h, embeddings), 2 * hidden_size); o_proj maps
         to hidden_size. lora_rank: per-depth adapters q += B_i(A_i(x)) (and k, v likewise) for
-        the call's cache index i, in `linear_{q,k,v}_adapter_list.{i}` (Zamba2's names)."""
+        the call's cache index i, in `linear_{q,k,v}_adapter_list.{i}` (Zamba2's names).
+        reduce_results=False: under tensor parallelism the output is the rank's partial sum
+        (o_proj not all-reduced), for a caller that adds another one first (Falcon-H1)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        tp = current_group()
+        q0, q1 = even_range(num_heads, tp, "the attention heads (num_attention_heads)")
+        kv0, kv1 = kv_head_range(num_kv_heads, tp)
+        self.num_heads, self.num_kv_heads, self.head_dim = q1 - q0, kv1 - kv0, head_dim  # the rank's
         self.scale = scale
         self.cache_indices = (cache_index,) if isinstance(cache_index, int) else tuple(cache_index)
         assert self.cache_indices, "an attention layer needs at least one KV cache index"
         d_in = input_size or hidden_size
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
-        self.q_proj = nn.Linear(d_in, q_out, bias=bias)
-        self.k_proj = nn.Linear(d_in, kv_out, bias=bias)
-        self.v_proj = nn.Linear(d_in, kv_out, bias=bias)
-        self.o_proj = nn.Linear(q_out, hidden_size, bias=bias)
+        q_rows, kv_rows = [(q0 * head_dim, q1 * head_dim)], [(kv0 * head_dim, kv1 * head_dim)]
+        self.q_proj = ColumnParallelLinear(d_in, q_out, bias=bias, ranges=q_rows)
+        self.k_proj = ColumnParallelLinear(d_in, kv_out, bias=bias, ranges=kv_rows)
+        self.v_proj = ColumnParallelLinear(d_in, kv_out, bias=bias, ranges=kv_rows)
+        self.o_proj = RowParallelLinear(q_out, hidden_size, bias=bias, ranges=q_rows, reduce_results=reduce_results)
         self.rotary = rotary
         self.lora = lora_rank is not None
         if self.lora:
-            self.linear_q_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, q_out)
-            self.linear_k_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, kv_out)
-            self.linear_v_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, kv_out)
+            self.linear_q_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, q_out, q_rows)
+            self.linear_k_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, kv_out, kv_rows)
+            self.linear_v_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, kv_out, kv_rows)
 
     @property
     def cache_index(self) -> int:

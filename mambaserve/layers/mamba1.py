@@ -17,6 +17,11 @@ Parameter names and shapes follow the Hugging Face checkpoints (`in_proj`, `conv
 (d_inner, 1, width), `conv1d.bias`, `x_proj`, `dt_proj` (with bias), `A_log` (d_inner,
 d_state), `D`, `out_proj`; Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`). The layer reads its (conv_states, ssm_states) pair from
 `ctx.mamba_caches[cache_index]`: conv (width - 1, d_inner), SSM (d_inner, d_state) per slot.
+
+Tensor parallelism (built inside `distributed.building_with`) splits d_inner: each rank holds
+its channels' rows of in_proj (x and z), conv, dt_proj, A_log and D; x_proj is row-parallel, so
+dt (low rank), B and C are all-reduced whole on every rank (Jamba's norms then see them whole);
+out_proj is row-parallel. `intermediate_size` is the rank's width.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from torch import nn
 
 from mambaserve import ops
 from mambaserve.cache.spec import CacheDtypes, MambaSpec
+from mambaserve.distributed import current_group
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
+from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard, even_range, set_shard
 from mambaserve.layers.mamba2 import _Conv1dWeights, cached_decay_rates, project_out
 from mambaserve.layers.norm import RMSNorm
 
@@ -60,16 +67,21 @@ class MambaMixer(nn.Module):
         super().__init__()
         if activation not in ("silu", "swish"):
             raise ValueError(f"Mamba-1 mixer: unsupported hidden_act {activation!r} (the conv activation); expected 'silu'")
-        self.intermediate_size, self.d_state = intermediate_size, d_state
+        tp = current_group()
+        D = intermediate_size
+        d0, d1 = even_range(D, tp, "the Mamba-1 inner width (intermediate_size)")
+        self.intermediate_size, self.d_state = d1 - d0, d_state  # the rank's channels
         self.conv_kernel, self.time_step_rank = conv_kernel, time_step_rank
         self.cache_index = cache_index
-        self.in_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=use_bias)
-        self.conv1d = _Conv1dWeights(intermediate_size, conv_kernel, use_conv_bias)
-        self.x_proj = nn.Linear(intermediate_size, time_step_rank + 2 * d_state, bias=False)
-        self.dt_proj = nn.Linear(time_step_rank, intermediate_size, bias=True)
-        self.A_log = nn.Parameter(torch.empty(intermediate_size, d_state))
-        self.D = nn.Parameter(torch.empty(intermediate_size))
-        self.out_proj = nn.Linear(intermediate_size, hidden_size, bias=use_bias)
+        self.in_proj = ColumnParallelLinear(hidden_size, 2 * D, bias=use_bias, ranges=[(d0, d1), (D + d0, D + d1)])
+        self.conv1d = _Conv1dWeights(d1 - d0, conv_kernel, use_conv_bias, full_dim=D, ranges=[(d0, d1)], group=tp)
+        self.x_proj = RowParallelLinear(D, time_step_rank + 2 * d_state, bias=False)
+        self.dt_proj = ColumnParallelLinear(time_step_rank, D, bias=True)
+        self.A_log = nn.Parameter(torch.empty(d1 - d0, d_state))
+        self.D = nn.Parameter(torch.empty(d1 - d0))
+        for name in ("A_log", "D"):
+            set_shard(self, name, Shard(0, D, ((d0, d1),)), tp)
+        self.out_proj = RowParallelLinear(D, hidden_size, bias=use_bias)
         self.dt_layernorm = self.b_layernorm = self.c_layernorm = None
         if dt_bc_norm_eps is not None:
             self.dt_layernorm = RMSNorm(time_step_rank, eps=dt_bc_norm_eps)
@@ -124,7 +136,7 @@ class MambaMixer(nn.Module):
         B, C (T, d_state) (column slices of x_proj's output; Jamba: their RMSNorms, and dt from
         the normed low-rank dt)."""
         R, N = self.time_step_rank, self.d_state
-        x_dbl = F.linear(x, self.x_proj.weight)  # (T, R + 2N)
+        x_dbl = self.x_proj(x)  # (T, R + 2N), all-reduced under tensor parallelism
         dt, B, C = x_dbl[:, :R], x_dbl[:, R : R + N], x_dbl[:, R + N :]
         if self.dt_layernorm is not None:
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)

@@ -11,6 +11,16 @@ A mixed batch of prefills and decodes goes through one `causal_conv1d` and one
 Parameter names and shapes follow the Hugging Face checkpoints (`in_proj`, `conv1d.weight`
 (conv_dim, 1, width), `dt_bias`, `A_log`, `D`, `norm.weight`, `out_proj`). The layer reads its
 (conv_states, ssm_states) pair from `ctx.mamba_caches[cache_index]`.
+
+Tensor parallelism (built inside `distributed.building_with`) splits the heads: each rank holds
+the z, x and dt rows of in_proj, the x channels of the conv, A, D, dt_bias and the norm weight
+of its heads, and the B and C rows (and conv channels) of the groups its heads read: its share
+of the groups when the world size divides n_groups, else (n_groups dividing the world size,
+n_groups = 1 included) the one group of its heads, replicated on the ranks that share it. The
+gated norm is then per group on each rank, or, for a group spread over ranks, normalised by its
+sum of squares all-reduced over them. out_proj is row-parallel (one all-reduce). Sizes that
+split no other way are refused (ValueError) while the model is built, before any weight loads.
+The attributes num_heads, n_groups, intermediate_size and conv_dim are the rank's.
 """
 
 from __future__ import annotations
@@ -18,20 +28,24 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mambaserve import ops
 from mambaserve.cache.spec import CacheDtypes, MambaSpec
+from mambaserve.distributed import TensorParallelGroup, all_reduce, current_group
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.graph_split import split_op
+from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard, divide, set_shard
 
 
-def project_out(out_proj: nn.Linear, y: torch.Tensor, partials: bool) -> torch.Tensor:
+def project_out(out_proj: RowParallelLinear, y: torch.Tensor, partials: bool) -> torch.Tensor:
     """A mixer's out_proj. y: (T, inner) -> (T, hidden), or with partials (num_parts, T, hidden)
     terms summing to it, for `RMSNorm.add_and_norm` to add: at decode sizes (and without a
-    bias) the product runs as one split-K launch whose reduction the norm kernel does."""
+    bias) the product runs as one split-K launch whose reduction the norm kernel does. Under
+    tensor parallelism the product is all-reduced first (partials then (1, T, hidden))."""
     if partials:
-        if out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens():
+        if out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens() and out_proj.tp_group.world_size == 1:
             return ops.linear_partials(y, out_proj.weight)
         return out_proj(y)[None]
     return out_proj(y)
@@ -47,10 +61,37 @@ def cached_decay_rates(mixer: nn.Module) -> torch.Tensor:
 
 
 class _Conv1dWeights(nn.Module):
-    def __init__(self, dim: int, width: int, bias: bool):
+    """conv1d.weight (dim, 1, width) and bias (dim,); under tensor parallelism the channels
+    `ranges` of the full conv's `full_dim` (dim is their total)."""
+
+    def __init__(self, dim: int, width: int, bias: bool, *, full_dim: int | None = None,
+                 ranges: list[tuple[int, int]] | None = None, group: TensorParallelGroup | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, 1, width))
         self.bias = nn.Parameter(torch.empty(dim)) if bias else None
+        if ranges is not None:
+            shard = Shard(0, full_dim, tuple(ranges))
+            set_shard(self, "weight", shard, group)
+            if bias:
+                set_shard(self, "bias", shard, group)
+
+
+def shard_heads_and_groups(num_heads: int, n_groups: int, group: TensorParallelGroup
+                           ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rank's Mamba2 heads (h0, h1) and the groups (g0, g1) they read, by the rules of the
+    module docstring. Raises ValueError when the world size divides neither the heads nor, or
+    is divided by neither, n_groups."""
+    R, r = group.world_size, group.rank
+    per = divide(num_heads, group, "the Mamba2 heads (num_heads)")
+    if n_groups % R == 0:
+        g0, g1 = r * (n_groups // R), (r + 1) * (n_groups // R)
+    elif R % n_groups == 0:
+        g0 = r // (R // n_groups)  # a group spread over R / n_groups ranks, replicated on each
+        g1 = g0 + 1
+    else:
+        raise ValueError(f"tensor_parallel_size={R} does not split the Mamba2 groups (n_groups={n_groups}): B and "
+                         "C are split by group, so tensor_parallel_size must divide n_groups or be a multiple of it")
+    return (r * per, (r + 1) * per), (g0, g1)
 
 
 class Mamba2Mixer(nn.Module):
@@ -78,10 +119,13 @@ class Mamba2Mixer(nn.Module):
         gated_norm: bool = True,
         norm_before_gate: bool = False,
         out_proj_bias: bool | None = None,
+        reduce_results: bool = True,
     ):
         """gated_norm=False: no `norm` parameter, y * silu(z) (Falcon-H1 with mamba_rms_norm
         false); norm_before_gate: weight * rmsnorm_g(y) * silu(z) instead of weight *
-        rmsnorm_g(y * silu(z)); out_proj_bias: None follows use_bias (in_proj's)."""
+        rmsnorm_g(y * silu(z)); out_proj_bias: None follows use_bias (in_proj's).
+        reduce_results=False: under tensor parallelism the output is the rank's partial sum,
+        for a caller that adds another partial sum before one all-reduce (Falcon-H1)."""
         super().__init__()
         self.num_heads, self.head_dim, self.d_state, self.n_groups = num_heads, head_dim, d_state, n_groups
         self.intermediate_size = intermediate_size or num_heads * head_dim
@@ -89,22 +133,41 @@ class Mamba2Mixer(nn.Module):
             raise ValueError(f"intermediate size {self.intermediate_size} != num_heads * head_dim ({num_heads} * {head_dim})")
         if num_heads % n_groups:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of n_groups ({n_groups})")
+        tp = self.tp_group = current_group()
+        (h0, h1), (g0, g1) = shard_heads_and_groups(num_heads, n_groups, tp)
+        H, I, GN, P, N = num_heads, self.intermediate_size, n_groups * d_state, head_dim, d_state
+        self.group_size = I // n_groups  # features per group of the gated norm
+        self.group_index = g0  # with norm_spans_ranks: the one group this rank's heads read
+        self.total_groups = n_groups
+        self.norm_spans_ranks = tp.world_size > n_groups
+        # from here on, the rank's heads and groups (all of them at tensor_parallel_size 1)
+        self.num_heads, self.n_groups = num_heads, n_groups = h1 - h0, g1 - g0
+        self.intermediate_size = num_heads * head_dim
         self.conv_dim = self.intermediate_size + 2 * n_groups * d_state
         self.conv_kernel, self.chunk_size, self.eps = conv_kernel, chunk_size, eps
         self.dt_limit = tuple(dt_limit) if dt_limit is not None else (0.0, math.inf)
         self.cache_index = cache_index
-        self.in_proj = nn.Linear(hidden_size, self.intermediate_size + self.conv_dim + num_heads, bias=use_bias)
-        self.conv1d = _Conv1dWeights(self.conv_dim, conv_kernel, use_conv_bias)
+        # the rank's share of the conv's channels [x | B | C] (offsets into xBC), then of in_proj's
+        # packed rows [z | x | B | C | dt]
+        xbc = [(h0 * P, h1 * P), (I + g0 * N, I + g1 * N), (I + GN + g0 * N, I + GN + g1 * N)]
+        in_rows = [xbc[0]] + [(I + a, I + b) for a, b in xbc] + [(2 * I + 2 * GN + h0, 2 * I + 2 * GN + h1)]
+        self.in_proj = ColumnParallelLinear(hidden_size, 2 * I + 2 * GN + H, bias=use_bias, ranges=in_rows)
+        self.conv1d = _Conv1dWeights(self.conv_dim, conv_kernel, use_conv_bias, full_dim=I + 2 * GN, ranges=xbc,
+                                     group=tp)
         self.dt_bias = nn.Parameter(torch.empty(num_heads))
         self.A_log = nn.Parameter(torch.empty(num_heads))
         self.D = nn.Parameter(torch.empty(num_heads))
+        for name in ("dt_bias", "A_log", "D"):
+            set_shard(self, name, Shard(0, H, ((h0, h1),)), tp)
         self.norm_before_gate = norm_before_gate
         self.norm = None
         if gated_norm:
             self.norm = nn.Module()
             self.norm.weight = nn.Parameter(torch.empty(self.intermediate_size))
+            set_shard(self.norm, "weight", Shard(0, I, (xbc[0],)), tp)
         out_bias = use_bias if out_proj_bias is None else out_proj_bias
-        self.out_proj = nn.Linear(self.intermediate_size, hidden_size, bias=out_bias)
+        self.out_proj = RowParallelLinear(I, hidden_size, bias=out_bias, ranges=[xbc[0]],
+                                          reduce_results=reduce_results)
 
     @property
     def cache_indices(self) -> tuple[int, ...]:
@@ -122,10 +185,28 @@ class Mamba2Mixer(nn.Module):
         I = self.intermediate_size
         zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
         y = split_op(self.ssm, (zxbcdt,), ctx)  # (T, I); already times silu(z) without a norm
-        if self.norm is not None:
-            y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=I // self.n_groups,
+        if self.norm_spans_ranks and self.norm is not None:
+            y = self._gated_norm_over_ranks(y, zxbcdt[:, :I])
+        elif self.norm is not None:
+            y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=self.group_size,
                                    norm_before_gate=self.norm_before_gate)
         return project_out(self.out_proj, y, partials)
+
+    def _gated_norm_over_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """The gated norm of a group spread over several ranks (`rms_norm_gated`'s math in
+        float32): each rank's sum of squares of its features of the group goes in that group's
+        column of a (T, n_groups) tensor whose all-reduce gives every rank its group's total.
+        y, z: (T, rank's features) -> (T, rank's features) in y's dtype."""
+        h, gate = y.float(), F.silu(z.float())
+        if not self.norm_before_gate:
+            h = h * gate
+        sums = h.new_zeros(h.shape[0], self.total_groups)
+        sums[:, self.group_index] = h.square().sum(-1)
+        sums = all_reduce(sums, self.tp_group)
+        h = h * torch.rsqrt(sums[:, self.group_index, None] / self.group_size + self.eps) * self.norm.weight.float()
+        if self.norm_before_gate:
+            h = h * gate
+        return h.to(y.dtype)
 
     def decay_rates(self) -> torch.Tensor:
         """A = -exp(A_log), float32 (nheads,): `cached_decay_rates`."""

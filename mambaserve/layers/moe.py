@@ -15,6 +15,11 @@ Jamba: softmax routing over all experts, the top-k probabilities kept as they ar
 renormalised over the k: Jamba's `JambaTopKRouter`), `SoftmaxTopKRouter`; SiLU-gated experts
 stored per expert in the checkpoint (`experts.{e}.gate_proj` / `up_proj` / `down_proj`) and
 stacked once loaded into the fused MoE's layout (`SparseMoeBlock`).
+
+Tensor parallelism splits the intermediate features of every expert (each rank holds its
+slice of each expert's gate/up rows and down columns); routers are whole on every rank and,
+reading the same replicated input, choose the same experts everywhere. Each rank's expert
+sum is partial; a MoE block all-reduces it once, together with its shared expert's partial sum.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mambaserve import ops
+from mambaserve.distributed import all_reduce, current_group
 from mambaserve.layers.activation import get_activation
+from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard, even_range, set_shard
+
+_WHAT = "the experts' intermediate size"
 
 
 class _Router(nn.Module):
@@ -56,8 +65,13 @@ class GraniteMoE(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.router = _Router(hidden_size, num_experts)
-        self.input_linear = _ExpertWeights(num_experts, 2 * intermediate_size, hidden_size)
-        self.output_linear = _ExpertWeights(num_experts, hidden_size, intermediate_size)
+        tp = self.tp_group = current_group()
+        I = intermediate_size
+        i0, i1 = even_range(I, tp, _WHAT)
+        self.input_linear = _ExpertWeights(num_experts, 2 * (i1 - i0), hidden_size)
+        self.output_linear = _ExpertWeights(num_experts, hidden_size, i1 - i0)
+        set_shard(self.input_linear, "weight", Shard(1, 2 * I, ((i0, i1), (I + i0, I + i1))), tp)  # [gate; up]
+        set_shard(self.output_linear, "weight", Shard(2, I, ((i0, i1),)), tp)
         self.num_shared = 0  # extra always-on experts holding an absorbed shared expert
 
     @torch.no_grad()
@@ -93,9 +107,14 @@ class GraniteMoE(nn.Module):
     def forward(self, x: torch.Tensor, add: torch.Tensor | None = None, partials: bool = False) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden); add (T, hidden), e.g. the shared expert's output, is
         added inside the MoE's last kernel. partials=True returns (num_parts, T, hidden) terms
-        summing to the output, for `RMSNorm.add_and_norm` to add (see ops.fused_moe)."""
+        summing to the output, for `RMSNorm.add_and_norm` to add (see ops.fused_moe). Under
+        tensor parallelism `add` is the shared expert's partial sum, added before the one
+        all-reduce of the output (which is then (T, hidden))."""
         # (T, top_k + num_shared) each: the absorbed shared expert's slices are always on
         top_weights, top_ids = ops.router_topk(x, self.router.layer.weight, self.top_k, x.dtype, self.num_shared)
+        if self.tp_group.world_size > 1:
+            out = ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids, add)
+            return all_reduce(out, self.tp_group)
         return ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids, add,
                              as_partials=partials)
 
@@ -144,8 +163,8 @@ class SigmoidGroupRouter(nn.Module):
 class _Expert(nn.Module):
     def __init__(self, size: int, intermediate_size: int):
         super().__init__()
-        self.up_proj = nn.Linear(size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, size, bias=False)
+        self.up_proj = ColumnParallelLinear(size, intermediate_size, bias=False, what=_WHAT)
+        self.down_proj = RowParallelLinear(intermediate_size, size, bias=False, reduce_results=False, what=_WHAT)
 
 
 class UngatedExperts(nn.ModuleList):
@@ -153,6 +172,7 @@ class UngatedExperts(nn.ModuleList):
 
     x: (num_tokens, size); weights, ids: (num_tokens, top_k) -> (num_tokens, size) in x.dtype.
     A list of experts, so the names are the checkpoint's `{e}.up_proj` / `{e}.down_proj`.
+    Under tensor parallelism the output is the rank's partial sum (the caller all-reduces).
     Eager: the (token, k) pairs are sorted by expert and each routed expert runs once on its
     rows (this reads the per-expert counts on the host). While a CUDA graph is being captured no
     host read is allowed, so every expert runs on every token and its rows are selected: the
@@ -219,9 +239,10 @@ class SoftmaxTopKRouter(nn.Module):
 class _GatedExpert(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False, what=_WHAT)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=False, what=_WHAT)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=False, reduce_results=False,
+                                           what=_WHAT)
 
 
 class _StackedExperts(nn.Module):
@@ -248,6 +269,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.router = SoftmaxTopKRouter(hidden_size, num_experts, top_k)
         self.experts: nn.Module = nn.ModuleList(_GatedExpert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.tp_group = current_group()
 
     @torch.no_grad()
     def stack_experts(self) -> None:
@@ -267,8 +289,12 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden); partials=True returns (num_parts, T, hidden) terms
-        summing to the output, for `RMSNorm.add_and_norm` (see ops.fused_moe)."""
+        summing to the output, for `RMSNorm.add_and_norm` (see ops.fused_moe); under tensor
+        parallelism the output is all-reduced, (T, hidden)."""
         assert isinstance(self.experts, _StackedExperts), "stack_experts() runs once the weights are loaded"
         weights, ids = self.router(x)
+        if self.tp_group.world_size > 1:
+            out = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+            return all_reduce(out, self.tp_group)
         return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
                              as_partials=partials)

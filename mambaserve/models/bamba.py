@@ -14,6 +14,7 @@ from torch import nn
 
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mlp import GatedMLP
+from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM
@@ -44,7 +45,7 @@ class _Layer(nn.Module):
 class _Model(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = rotary_from_config(config, attention_head_dim(config))
         kinds = layer_kinds(config)
         self.layers = nn.ModuleList(_Layer(config, kind, i, rotary if kind == "attention" else None)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mambaserve.cache.spec import CacheDtypes, CacheSpec, collect_cache_spec
+from mambaserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from mambaserve.layers.norm import RMSNorm
 
 
@@ -44,9 +45,10 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         self.config = config
 
-    def make_lm_head(self, embeddings: nn.Embedding) -> None:
-        """lm_head, sharing the embedding matrix when the config ties them."""
-        self.lm_head = nn.Linear(embeddings.embedding_dim, embeddings.num_embeddings, bias=False)
+    def make_lm_head(self, embeddings: VocabParallelEmbedding) -> None:
+        """lm_head (vocabulary-parallel, as the embeddings), sharing the embedding matrix when
+        the config ties them."""
+        self.lm_head = ParallelLMHead(embeddings.vocab_size, embeddings.embedding_dim)
         if getattr(self.config, "tie_word_embeddings", False):
             self.lm_head.weight = embeddings.weight
 
@@ -107,6 +109,6 @@ class MambaBackbone(nn.Module):
 
     def __init__(self, config, block):
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)

@@ -31,6 +31,8 @@ stay at run time (the embeddings may be tied to lm_head).
 
 Caches: each layer holds both a Mamba state (cache index = layer) and a KV cache (cache index
 = layer).
+Under tensor parallelism the Mamba2 mixer and the attention leave their out_proj / o_proj
+partial sums un-reduced: the layer adds them and all-reduces once.
 HF names: model.embed_tokens, model.layers.{i}.{input_layernorm, pre_ff_layernorm,
 mamba.{in_proj, conv1d, dt_bias, A_log, D, norm (only with mamba_rms_norm), out_proj},
 self_attn.{q,k,v,o}_proj, feed_forward.{gate,up,down}_proj}, model.final_layernorm, lm_head.
@@ -41,9 +43,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mambaserve.distributed import all_reduce, current_group
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import GatedMLP
+from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM
@@ -59,7 +63,7 @@ def _mixer(config, index: int) -> Mamba2Mixer:
     d_ssm = config.mamba_d_ssm if config.mamba_d_ssm is not None else int(config.mamba_expand * config.hidden_size)
     return mamba_mixer_from_config(config, index, intermediate_size=d_ssm, out_proj_bias=config.projectors_bias,
                                    gated_norm=bool(config.mamba_rms_norm),
-                                   norm_before_gate=bool(config.mamba_norm_before_gate))
+                                   norm_before_gate=bool(config.mamba_norm_before_gate), reduce_results=False)
 
 
 class _Layer(nn.Module):
@@ -67,7 +71,7 @@ class _Layer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mamba = _mixer(config, index)
-        self.self_attn = attention_from_config(config, index, rotary=rotary)
+        self.self_attn = attention_from_config(config, index, rotary=rotary, reduce_results=False)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
 
@@ -75,7 +79,7 @@ class _Layer(nn.Module):
 class _Model(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = rotary_from_config(config, attention_head_dim(config), whole_head=True)
         self.layers = nn.ModuleList(_Layer(config, i, rotary) for i in range(config.num_hidden_layers))
         self.final_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -112,6 +116,7 @@ class FalconH1ForCausalLM(HybridForCausalLM):
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.lm_head_multiplier = float(config.lm_head_multiplier)
         self._folded = False
+        self.tp_group = current_group()
 
     def mamba_in_multipliers(self) -> torch.Tensor:
         """ssm_multipliers expanded over in_proj's output rows [z | x | B | C | dt]:
@@ -148,7 +153,8 @@ class FalconH1ForCausalLM(HybridForCausalLM):
         layers = self.model.layers
         x = layers[0].input_layernorm(h)
         for i, layer in enumerate(layers):
-            mixed = layer.mamba(x, ctx) + layer.self_attn(positions, x, ctx)  # both read the same normed x
+            # both read the same normed x; under tensor parallelism both are partial sums: one all-reduce
+            mixed = all_reduce(layer.mamba(x, ctx) + layer.self_attn(positions, x, ctx), self.tp_group)
             x = layer.pre_ff_layernorm.add_and_norm(mixed, h)  # h += mixed; x = norm(h)
             following = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.final_layernorm
             x = following.add_and_norm(layer.feed_forward(x), h)

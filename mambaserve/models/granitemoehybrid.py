@@ -17,6 +17,7 @@ from torch import nn
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mlp import FusedGatedMLP
 from mambaserve.layers.moe import GraniteMoE
+from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM
@@ -46,13 +47,15 @@ class _Layer(nn.Module):
         if config.num_local_experts > 0:
             self.block_sparse_moe = GraniteMoE(config.hidden_size, config.intermediate_size,
                                                config.num_local_experts, config.num_experts_per_tok)
-        self.shared_mlp = FusedGatedMLP(config.hidden_size, config.shared_intermediate_size)
+        # with experts, the shared expert's partial sum is all-reduced with theirs (tensor parallelism)
+        self.shared_mlp = FusedGatedMLP(config.hidden_size, config.shared_intermediate_size,
+                                        reduce_results=self.block_sparse_moe is None)
 
 
 class _Model(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = None
         if getattr(config, "position_embedding_type", "nope") == "rope":
             rotary = rotary_from_config(config, attention_head_dim(config))

@@ -30,6 +30,7 @@ from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mamba1 import MambaMixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.moe import SparseMoeBlock
+from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM
 from mambaserve.models.config_utils import attention_from_config, cache_indices, layer_kinds
@@ -84,7 +85,7 @@ class _Layer(nn.Module):
 class _Model(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         moe = jamba_moe_layers(config)  # checks the periods first
         kinds = layer_kinds(config)
         self.layers = nn.ModuleList(_Layer(config, kind, m, i) for kind, m, i in zip(kinds, moe, cache_indices(kinds)))

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from mambaserve.forward_context import ForwardContext
+from mambaserve.distributed import all_reduce, current_group
+from mambaserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, linear_of_partial, replicated_linear
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import MLP
 from mambaserve.layers.moe import SigmoidGroupRouter, UngatedExperts
@@ -49,7 +51,9 @@ class NemotronHMoE(nn.Module):
 
     x: (num_tokens, hidden) -> (num_tokens, hidden). The router and the shared expert read x;
     the routed experts read fc1_latent_proj(x) when moe_latent_size is set, and their weighted
-    sum goes back through fc2_latent_proj.
+    sum goes back through fc2_latent_proj. Under tensor parallelism the router and the latent
+    projections are whole on every rank, the experts and the shared expert split; the rank's
+    routed sum (through fc2, which is linear) and shared sum are partial: one all-reduce.
     """
 
     def __init__(self, config):
@@ -62,17 +66,19 @@ class NemotronHMoE(nn.Module):
                                        norm_topk_prob=config.norm_topk_prob,
                                        routed_scaling_factor=config.routed_scaling_factor)
         self.experts = UngatedExperts(latent or H, config.moe_intermediate_size, config.n_routed_experts, act)
-        self.shared_experts = MLP(H, config.moe_shared_expert_intermediate_size, act, bias=config.mlp_bias)
-        self.fc1_latent_proj = nn.Linear(H, latent, bias=config.mlp_bias) if latent else None
-        self.fc2_latent_proj = nn.Linear(latent, H, bias=config.mlp_bias) if latent else None
+        self.shared_experts = MLP(H, config.moe_shared_expert_intermediate_size, act, bias=config.mlp_bias,
+                                  reduce_results=False)
+        self.fc1_latent_proj = replicated_linear(H, latent, bias=config.mlp_bias) if latent else None
+        self.fc2_latent_proj = replicated_linear(latent, H, bias=config.mlp_bias) if latent else None
+        self.tp_group = current_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # (T, k) float32, (T, k)
         routed_in = self.fc1_latent_proj(x) if self.fc1_latent_proj is not None else x
-        routed = self.experts(routed_in, weights, ids)
+        routed = self.experts(routed_in, weights, ids)  # the rank's partial sum
         if self.fc2_latent_proj is not None:
-            routed = self.fc2_latent_proj(routed)
-        return routed + self.shared_experts(x)
+            routed = linear_of_partial(self.fc2_latent_proj, routed)
+        return all_reduce(routed + self.shared_experts(x), self.tp_group)
 
 
 class _Block(nn.Module):
@@ -108,7 +114,7 @@ class _Block(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         kinds = layer_kinds(config, allowed=_KINDS)
         self.layers = nn.ModuleList(_Block(config, kind, i) for kind, i in zip(kinds, cache_indices(kinds)))
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, scale_in_float32=True)
@@ -134,7 +140,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
             # while a CUDA graph is captured its experts run on every token (UngatedExperts): keep
             # the piecewise graphs to small steps, where that costs less than launching eagerly
             self.max_piecewise_tokens = 512
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         # transformers never ties Nemotron-H's lm_head to the embeddings (its tied-weights map is
         # empty) and saves lm_head.weight whatever tie_word_embeddings says; the loader reads the
         # flag from this config, so it is cleared here.

@@ -27,6 +27,9 @@ model.layers.{i}.shared_transformer.{input_layernorm, pre_ff_layernorm, self_att
 self_attn.linear_{q,k,v}_adapter_list.{d}.{0,1}, feed_forward.{gate_up_proj, down_proj},
 feed_forward.gate_up_proj_adapter_list.{d}.{0,1}}, holding the adapters of every depth d that
 uses the block; our modules are laid out the same way, so the names map one to one.
+Under tensor parallelism the shared blocks split as every attention layer and MLP does (each
+adapter's B holds the rows of the projection it adds to); each depth's `linear` is whole on
+every rank.
 (transformers 5 ties the shared blocks only when it also ties the embeddings: an untied model
 saved by it holds a separate copy per depth, which this model rejects as unexpected tensors.
 Zyphra's checkpoints tie both.)
@@ -37,11 +40,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mambaserve.distributed import current_group
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.activation import get_activation
 from mambaserve.layers.attention import Attention
 from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.mamba2 import Mamba2Mixer
+from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, packed_ranges
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM
 from mambaserve.models.config_checks import require_value
@@ -77,9 +82,10 @@ class _SharedMLP(nn.Module):
         super().__init__()
         H, inter, bias = config.hidden_size, config.intermediate_size, config.add_bias_linear
         self.act = get_activation(config.hidden_act)
-        self.gate_up_proj = nn.Linear(H, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, H, bias=bias)
-        self.gate_up_proj_adapter_list = lora_adapters(depths, H, config.adapter_rank, 2 * inter)
+        rows = packed_ranges([inter] * 2, current_group(), "the shared MLP's intermediate size")  # [gate; up]
+        self.gate_up_proj = ColumnParallelLinear(H, 2 * inter, bias=bias, ranges=rows)
+        self.down_proj = RowParallelLinear(inter, H, bias=bias)
+        self.gate_up_proj_adapter_list = lora_adapters(depths, H, config.adapter_rank, 2 * inter, rows)
 
     def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
         gate_up = self.gate_up_proj(x) + self.gate_up_proj_adapter_list[str(depth)](x)  # (T, 2 * inter)
@@ -145,7 +151,7 @@ class _Model(nn.Module):
         n_depths = kinds.count("hybrid")
         if n_blocks < 1:
             raise ValueError(f"Zamba2 num_mem_blocks must be >= 1, got {n_blocks}")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.blocks: list[_SharedTransformer] = []  # by block id; registered under their first layer
         layers, depth = [], 0
         for i, kind in enumerate(kinds):
