@@ -12,8 +12,11 @@ j-th KV cache's) and sums their bytes for the pool sizing.
 
 Every stateful layer declares its own spec (`StatefulLayer`); the model collects them; the
 engine sizes the pools from the byte counts and `cache.tensors` allocates from the shapes.
+Under tensor parallelism each rank's layers declare their own shard (its Mamba heads and
+channels, its KV heads): every rank allocates the same number of slots and blocks, each
+holding the rank's part of a request's state, and one scheduler hands them out for all.
 This module knows no layer, model or engine: a spec is data that later features (state
-checkpoints for prefix caching, FP8 KV, heads sharded by tensor parallelism) extend with fields.
+checkpoints for prefix caching, FP8 KV) extend with fields.
 """
 
 from __future__ import annotations

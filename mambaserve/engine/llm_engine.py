@@ -10,12 +10,18 @@ feed it on the device): the device computes while the host updates.
 
 What the entrypoints, metrics and benchmarks may read is the read API at the end of the class
 (limits, pool sizes, memory, `usage()`); the attributes behind it are the engine's own.
+
+With tensor_parallel_size > 1 this process is rank 0: `TensorParallelExecutor` starts the
+other ranks, the runner sends them each step, and everything else here is unchanged (one
+scheduler, one set of pools, the sampling on rank 0). `shutdown()` stops the other ranks; it
+also runs when the engine is collected or the interpreter exits.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +30,7 @@ from mambaserve.cache.block_pool import BlockPool
 from mambaserve.cache.budget import PoolSizes
 from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.config import EngineConfig
+from mambaserve.distributed import SINGLE
 from mambaserve.engine.input_processor import InputProcessor
 from mambaserve.engine.model_runner import ModelRunner, StepLogits
 from mambaserve.engine.output_processor import OutputProcessor
@@ -56,9 +63,21 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         torch.manual_seed(config.seed)
-        self.runner = ModelRunner(config)
+        self._executor = None
+        if config.tensor_parallel_size > 1:
+            from mambaserve.engine.executor import TensorParallelExecutor
+
+            self._executor = TensorParallelExecutor(config)
+            weakref.finalize(self, self._executor.shutdown)
+        try:
+            self.runner = ModelRunner(config, self._executor.group if self._executor else SINGLE)
+            self.input_processor = InputProcessor(config, self.runner.model.config, self.runner.vocab_size,
+                                                  self.runner.max_model_len)
+        except BaseException:
+            if self._executor is not None:
+                self._executor.abort()  # the other ranks failed alike, or wait in a step: end them
+            raise
         runner = self.runner
-        self.input_processor = InputProcessor(config, runner.model.config, runner.vocab_size, runner.max_model_len)
         tok, eos, extra_eos = (self.input_processor.tokenizer, self.input_processor.eos_token_ids,
                                self.input_processor.extra_eos_token_ids)
         # grammar matchers of constrained sequences: masks applied here, tokens fed by the output processor
@@ -123,6 +142,12 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """End the engine on the other tensor-parallel ranks (nothing at tensor_parallel_size
+        1); it cannot step afterwards. Called again, or at exit, it does nothing."""
+        if self._executor is not None:
+            self._executor.shutdown(timeout)
 
     @property
     def num_requests(self) -> int:

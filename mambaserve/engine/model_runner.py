@@ -19,10 +19,12 @@ import torch
 from mambaserve.cache.budget import resolve_max_num_batched_tokens, size_pools
 from mambaserve.cache.tensors import allocate_caches
 from mambaserve.config import EngineConfig
+from mambaserve.distributed import SINGLE, TensorParallelGroup, host_barrier, min_over_ranks
 from mambaserve.forward_context import ForwardContext
 from mambaserve.engine.scheduler import ScheduledSequence
 from mambaserve.engine.sequence import Sequence
 from mambaserve.engine.stats import MemoryUsage
+from mambaserve.engine.step_input import StepInput, share_step
 from mambaserve.loader import DTYPES, load_model
 
 logger = logging.getLogger("mambaserve")
@@ -53,15 +55,25 @@ class ModelRunner:
     compilation mode. `execute(scheduled)` runs a step (decode graphs, piecewise graphs or
     eagerly) and returns the logits the sampler needs. Raises ValueError when not even one
     request of max_model_len fits.
+
+    Under tensor parallelism (`group` of several ranks) every rank has a runner over its shard
+    of the model and of the caches (cuda:local_rank on GPUs), sized alike: the pools take the
+    smallest budget of the ranks. Rank 0's `execute` sends each step to the others (their
+    `run` executes it: `engine.executor`), so that every rank runs the same forwards and graph
+    captures, collectives included, in the same order.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, group: TensorParallelGroup = SINGLE):
         self.config = config
+        self.group = group
         self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda" and group.world_size > 1:
+            self.device = torch.device("cuda", group.local_rank)
         t0 = time.perf_counter()
         self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = load_model(config.model, dtype=config.dtype, device=self.device,
-                                load_format=config.load_format, seed=config.seed)
+                                load_format=config.load_format, seed=config.seed, group=group)
+        host_barrier(group)  # every rank holds its shard (a rank that died loading fails the others here)
         self.dtype = self.model.lm_head.weight.dtype
         ssm_name = config.mamba_ssm_cache_dtype  # "auto": the family's default (Nemotron-H: float32) or the model's
         dtypes = self.model.cache_dtypes(None if ssm_name == "auto" else DTYPES[ssm_name])
@@ -110,6 +122,11 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- sizing
     def _cache_budget(self) -> int:
+        """Bytes the caches may take on this rank's device; under tensor parallelism the
+        smallest of every rank's, so that all size their pools alike."""
+        return min_over_ranks(self._device_cache_budget(), self.group)
+
+    def _device_cache_budget(self) -> int:
         if self.device.type != "cuda":
             return self.config.cpu_cache_bytes
         activations = self._profile_activation_bytes()
@@ -177,61 +194,43 @@ class ModelRunner:
                     slot_bytes / 2**20, self.num_blocks, self.block_size)
 
     # ---------------------------------------------------------------- step
-    def build_context(self, scheduled: list[ScheduledSequence], pad_to: int | None = None
-                      ) -> tuple[ForwardContext, list[int], list[int]]:
-        """The step's context, input ids and positions, from the scheduler's output."""
-        ids, positions, query_lens, seq_lens, slots, has_init, tables = [], [], [], [], [], [], []
+    @staticmethod
+    def prepare(scheduled: list[ScheduledSequence]) -> tuple[StepInput, list[Sequence], list[tuple[str, int]]]:
+        """The step's input from the scheduler's batch (host only), the sequences that sample
+        (in the order of step.sample_rows) and, per prompt slice of step.prompt_rows, its
+        sequence's request id and the absolute position of its first row."""
+        ids, positions, query_lens, slots, tables = [], [], [], [], []
+        sample_rows, sample_seqs, prompt_rows, prompt_owners = [], [], [], []
+        offset = 0
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             start = seq.num_computed_tokens
             ids.extend(seq.get_token_ids(start, start + n))
             positions.extend(range(start, start + n))
             query_lens.append(n)
-            seq_lens.append(start + n)
             slots.append(seq.state_slot)
-            has_init.append(start > 0)
             tables.append(seq.block_table)
-        ctx = ForwardContext.build(
-            query_lens=query_lens, seq_lens=seq_lens, state_indices=slots, has_initial_state=has_init,
-            block_tables=tables if self.has_attention else None, block_size=self.block_size, device=self.device,
-            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv, pad_to=pad_to,
-        )
-        return ctx, ids, positions
-
-    @staticmethod
-    def _one_token_each(scheduled: list[ScheduledSequence]) -> bool:
-        """The forward context's decode_only: one new token with a state per sequence (decodes,
-        or one-token chunks of prompts). The decode kernels then take exactly one row per
-        sequence: such a step runs in the full decode graphs, or eagerly, never padded."""
-        return all(s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0 for s in scheduled)
+            if start + n == seq.num_tokens:  # reaches its end: samples its next token
+                sample_seqs.append(seq)
+                sample_rows.append(offset + n - 1)
+            # logits of prompt positions start..start+m-1 that predict a prompt token
+            m = min(n, seq.num_prompt_tokens - 1 - start)
+            if seq.sampling_params.prompt_logprobs is not None and m > 0:
+                prompt_rows.append((offset, m))
+                prompt_owners.append((seq.request_id, start))
+            offset += n
+        step = StepInput(ids, positions, query_lens, slots, tables, sample_rows, prompt_rows)
+        return step, sample_seqs, prompt_owners
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
-        """Run one forward over the scheduled batch and return the logits that are needed."""
-        if self._one_token_each(scheduled):
-            graphs = self.decode_graphs
-            if graphs is not None and len(scheduled) <= graphs.max_size:
-                seqs = [s.seq for s in scheduled]
-                all_logits = graphs.run(
-                    [seq.get_token_ids(seq.num_computed_tokens, seq.num_computed_tokens + 1)[0] for seq in seqs],
-                    [seq.num_computed_tokens for seq in seqs],
-                    [seq.state_slot for seq in seqs],
-                    [seq.block_table for seq in seqs] if self.has_attention else None)  # (batch, vocab)
-                return self._needed_logits(scheduled, lambda rows: all_logits[rows], "decode_graph")
-            padded = None
-        else:
-            num_tokens = sum(s.num_new_tokens for s in scheduled)
-            graphs = self.piecewise_graphs
-            padded = graphs.padded_size(num_tokens) if graphs is not None else None
-        ctx, ids, positions = self.build_context(scheduled, pad_to=padded)
-        input_ids = torch.tensor(ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        if padded is not None:
-            hidden = self.piecewise_graphs.run(input_ids, pos, ctx)
-        else:
-            hidden = self.model(input_ids, pos, ctx)
-        return self._needed_logits(scheduled, lambda rows: self.model.compute_logits(hidden[rows]),
-                                   "eager" if padded is None else "piecewise")
+        """Run one forward over the scheduled batch and return the logits that are needed
+        (rank 0; under tensor parallelism the other ranks are sent the step first)."""
+        step, sample_seqs, owners = self.prepare(scheduled)
+        share_step(step, None, self.group)
+        sample_logits, prompt_logits, path = self.run(step)
+        return StepLogits(sample_seqs, sample_logits,
+                          {rid: (start, logits) for (rid, start), logits in zip(owners, prompt_logits)}, path)
 
     @torch.inference_mode()
     def execute_chained_decode(self, seqs: list[Sequence], tokens: torch.Tensor, rows: list[int] | None) -> StepLogits:
@@ -240,54 +239,69 @@ class ModelRunner:
         which the host has not read yet. The host bookkeeping of that previous step is not done
         either: each sequence's new token sits at position num_computed_tokens + 1. Block
         tables must already cover it. Every sequence samples; logits (len(seqs), vocab)."""
-        positions = [s.num_computed_tokens + 1 for s in seqs]
+        step = StepInput([], [s.num_computed_tokens + 1 for s in seqs], [1] * len(seqs), [s.state_slot for s in seqs],
+                         [s.block_table for s in seqs], list(range(len(seqs))), [],
+                         device_tokens=tokens.shape[0], token_rows=rows)
+        share_step(step, tokens, self.group)
+        logits, _, path = self.run(step, tokens)
+        return StepLogits(list(seqs), logits, {}, path)
+
+    @torch.inference_mode()
+    def run(self, step: StepInput, tokens: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor | None, list[torch.Tensor], str]:
+        """The forward of one step, as every rank runs it: (logits of step.sample_rows (None
+        when none), logits of each of step.prompt_rows, how it ran: StepLogits.path). tokens:
+        a chained decode's device tokens (step.device_tokens of them)."""
         graphs = self.decode_graphs
-        if graphs is not None and len(seqs) <= graphs.max_size:
-            logits = graphs.run(None, positions, [s.state_slot for s in seqs],
-                                [s.block_table for s in seqs] if self.has_attention else None,
-                                device_ids=(tokens, rows))
-            return StepLogits(list(seqs), logits, {}, "decode_graph")
-        ctx = ForwardContext.build(
-            query_lens=[1] * len(seqs), seq_lens=[p + 1 for p in positions],
-            state_indices=[s.state_slot for s in seqs], has_initial_state=[True] * len(seqs),
-            block_tables=[s.block_table for s in seqs] if self.has_attention else None,
-            block_size=self.block_size, device=self.device,
-            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv)
-        if rows is None:
-            ids = tokens[: len(seqs)]
+        if step.one_token_each and graphs is not None and len(step.query_lens) <= graphs.max_size:
+            if step.device_tokens is None:
+                all_logits = graphs.run(step.token_ids, step.positions, step.state_slots, self._tables(step))
+            else:
+                all_logits = graphs.run(None, step.positions, step.state_slots, self._tables(step),
+                                        device_ids=(tokens, step.token_rows))
+            return self._needed_logits(step, lambda rows: all_logits[rows], "decode_graph")  # (batch, vocab)
+        padded = None
+        if not step.one_token_each and self.piecewise_graphs is not None:
+            padded = self.piecewise_graphs.padded_size(len(step.positions))
+        ctx = self._context(step, pad_to=padded)
+        pos = torch.tensor(step.positions, dtype=torch.int64).to(self.device, non_blocking=True)
+        if step.device_tokens is None:
+            input_ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        elif step.token_rows is None:
+            input_ids = tokens[: len(step.query_lens)]
         else:
-            index = torch.tensor(rows, dtype=torch.int64)
+            index = torch.tensor(step.token_rows, dtype=torch.int64)
             if tokens.is_cuda:
                 index = index.pin_memory()  # a pageable copy would wait for the step in flight
-            ids = tokens[index.to(tokens.device, non_blocking=True)]
-        pos = torch.tensor(positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        hidden = self.model(ids, pos, ctx)
-        return StepLogits(list(seqs), self.model.compute_logits(hidden), {}, "eager")
+            input_ids = tokens[index.to(tokens.device, non_blocking=True)]
+        if padded is not None:
+            hidden = self.piecewise_graphs.run(input_ids, pos, ctx)
+        else:
+            hidden = self.model(input_ids, pos, ctx)
+        return self._needed_logits(step, lambda rows: self.model.compute_logits(hidden[rows]),
+                                   "eager" if padded is None else "piecewise")
 
-    def _needed_logits(self, scheduled: list[ScheduledSequence], logits_of, path: str) -> StepLogits:
-        """The rows to sample from (each sequence reaching its end) and the prompt rows of
-        sequences that asked for prompt logprobs; logits_of(rows) gives their logits. path: how
-        the forward ran (StepLogits.path)."""
-        rows, sample_seqs, prompt_rows = [], [], []
-        offset = 0
-        for s in scheduled:
-            seq, n = s.seq, s.num_new_tokens
-            start = seq.num_computed_tokens
-            if start + n == seq.num_tokens:
-                sample_seqs.append(seq)
-                rows.append(offset + n - 1)
-            if seq.sampling_params.prompt_logprobs is not None:
-                prompt_rows.append((seq, offset, start, n))
-            offset += n
+    def _tables(self, step: StepInput) -> list[list[int]] | None:
+        return step.block_tables if self.has_attention else None
+
+    def _context(self, step: StepInput, pad_to: int | None = None) -> ForwardContext:
+        """The step's forward context, over this runner's caches."""
+        starts = step.starts
+        return ForwardContext.build(
+            query_lens=step.query_lens, seq_lens=[p + n for p, n in zip(starts, step.query_lens)],
+            state_indices=step.state_slots, has_initial_state=[p > 0 for p in starts],
+            block_tables=self._tables(step), block_size=self.block_size, device=self.device,
+            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv, pad_to=pad_to,
+        )
+
+    def _needed_logits(self, step: StepInput, logits_of, path: str
+                       ) -> tuple[torch.Tensor | None, list[torch.Tensor], str]:
+        """The logits of the sampled rows and of the prompt slices; logits_of(rows) gives them
+        (the same calls on every rank: under tensor parallelism they gather the vocabulary)."""
+        rows = step.sample_rows
         if rows and rows == list(range(rows[0], rows[0] + len(rows))):
             index = slice(rows[0], rows[0] + len(rows))  # every row (decodes): a view, no copy
         else:
             index = torch.tensor(rows, device=self.device) if rows else None
         sample_logits = logits_of(index) if rows else None
-        prompt_logits = {}
-        for seq, off, start, n in prompt_rows:
-            # logits of prompt positions start..start+n-1 that predict a prompt token
-            m = min(n, seq.num_prompt_tokens - 1 - start)
-            if m > 0:
-                prompt_logits[seq.request_id] = (start, logits_of(slice(off, off + m)))
-        return StepLogits(sample_seqs, sample_logits, prompt_logits, path)
+        return sample_logits, [logits_of(slice(off, off + m)) for off, m in step.prompt_rows], path
