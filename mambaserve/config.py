@@ -40,10 +40,15 @@ class EngineConfig:
     max_queue_len: most waiting sequences (a request with n=4 counts 4): add_request refuses one
     that would pass it (QueueFullError), or whose n alone does (ValueError); None: unbounded.
 
+    tensor_parallel_size: ranks the model is split over (one GPU each, or CPU processes),
+    started by the engine on this node or by torchrun (`engine.executor`); 1 runs in this
+    process alone. Under tensor parallelism gpu_memory_utilization and cpu_cache_bytes are per
+    rank.
+
     vLLM options taken so that a vLLM call or command line moves over unchanged, at the values
-    this engine implements (other values raise ValueError saying so): tensor_parallel_size 1
-    (one device), kv_cache_dtype "auto" (the model dtype), quantization None,
-    enable_prefix_caching False; trust_remote_code is passed to the tokenizer's loading.
+    this engine implements (other values raise ValueError saying so): kv_cache_dtype "auto"
+    (the model dtype), quantization None, enable_prefix_caching False; trust_remote_code is
+    passed to the tokenizer's loading.
     """
 
     model: str = field(default_factory=default_model)
@@ -100,8 +105,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if self.cuda_graph_sizes is not None and any(int(s) < 1 for s in self.cuda_graph_sizes):
             raise ValueError("cuda_graph_sizes must be positive")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         unsupported = {
-            "tensor_parallel_size": (self.tensor_parallel_size != 1, "mambaserve runs a model on one device"),
             "kv_cache_dtype": (self.kv_cache_dtype != "auto", "the KV cache is kept in the model dtype"),
             "quantization": (self.quantization is not None, "quantized checkpoints are not supported yet"),
             "enable_prefix_caching": (bool(self.enable_prefix_caching),

@@ -20,7 +20,7 @@ def test_vllm_options_at_their_supported_values_are_accepted():
 
 
 @pytest.mark.parametrize("kwargs,reason", [
-    (dict(tensor_parallel_size=2), "one device"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
     (dict(kv_cache_dtype="fp8"), "model dtype"),
     (dict(quantization="awq"), "quantized"),
     (dict(enable_prefix_caching=True), "prefix caching"),

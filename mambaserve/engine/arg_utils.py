@@ -37,8 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None)
     g.add_argument("--skip-tokenizer-init", action="store_true")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many GPUs (or CPU processes), one process each (default 1)")
     # vLLM's flags, at the values this engine implements (others are refused with the reason)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="1 only: one device")
     g.add_argument("--trust-remote-code", action="store_true", help="passed to the tokenizer's loading")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only: the model dtype")
     g.add_argument("--quantization", "-q", default=None, help="none supported yet")

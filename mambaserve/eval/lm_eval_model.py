@@ -87,8 +87,9 @@ class MambaServeLM(TemplateLM):
         super().__init__()
         if max_model_len is not None and max_length is not None and int(max_model_len) != int(max_length):
             raise ValueError(f"max_model_len={max_model_len} and max_length={max_length} disagree: pass one")
-        if int(tensor_parallel_size) != 1 or int(data_parallel_size) != 1:
-            raise ValueError("mambaserve runs on one device: tensor_parallel_size and data_parallel_size must be 1")
+        if int(data_parallel_size) != 1:
+            raise ValueError("mambaserve runs one engine: data_parallel_size must be 1 (tensor_parallel_size splits "
+                             "the model over several devices)")
         if truncation_side not in ("left", "right"):
             raise ValueError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
         for name in _IGNORED_ARGS:
@@ -104,7 +105,7 @@ class MambaServeLM(TemplateLM):
             dtype=dtype, load_format=load_format, tokenizer=tokenizer, seed=int(seed),
             max_model_len=int(max_len) if max_len is not None else None,
             gpu_memory_utilization=float(gpu_memory_utilization), enforce_eager=bool(enforce_eager),
-            device=_engine_device(device),
+            device=_engine_device(device), tensor_parallel_size=int(tensor_parallel_size),
         )
         if max_num_seqs is not None or max_batch_size is not None:
             engine_args["max_num_seqs"] = int(max_num_seqs if max_num_seqs is not None else max_batch_size)

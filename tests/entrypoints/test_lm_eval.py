@@ -181,8 +181,8 @@ def test_gen_kwargs(lm):
 def test_model_args(tiny, caplog):
     with pytest.raises(ValueError, match="unknown model_args.*no_such_option"):
         MambaServeLM(pretrained=tiny, no_such_option=1)
-    with pytest.raises(ValueError, match="one device"):
-        MambaServeLM(pretrained=tiny, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_size"):
+        MambaServeLM(pretrained=tiny, data_parallel_size=2)
     with pytest.raises(ValueError, match="device"):
         MambaServeLM(pretrained=tiny, device="mps")
     lm = MambaServeLM.create_from_arg_string(
