@@ -22,8 +22,8 @@ import contextlib
 import contextvars
 import datetime
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.distributed as dist

@@ -71,7 +71,7 @@ class _World:
         if tell:
             try:
                 share(_EXIT, self.group)
-            except Exception as e:  # a worker already gone: nothing to tell it
+            except RuntimeError as e:  # a worker already gone (Gloo: connection closed): nothing to tell it
                 logger.warning("tensor-parallel exit message not delivered: %s", e)
         destroy_tensor_parallel()
         if self.workers is not None:
@@ -155,7 +155,7 @@ class TensorParallelExecutor:
         if world.workers is not None and not world.workers.failed() and not _exiting:
             try:
                 share(_RELEASE, self.group)
-            except Exception as e:
+            except RuntimeError as e:
                 logger.warning("tensor-parallel ranks not released (%s): ending them", e)
             else:
                 _idle = world  # one world per process: no other can be idle beside this engine's

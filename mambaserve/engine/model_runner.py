@@ -20,11 +20,11 @@ from mambaserve.cache.budget import resolve_max_num_batched_tokens, size_pools
 from mambaserve.cache.tensors import allocate_caches
 from mambaserve.config import EngineConfig
 from mambaserve.distributed import SINGLE, TensorParallelGroup, host_barrier, min_over_ranks
-from mambaserve.forward_context import ForwardContext
 from mambaserve.engine.scheduler import ScheduledSequence
 from mambaserve.engine.sequence import Sequence
 from mambaserve.engine.stats import MemoryUsage
 from mambaserve.engine.step_input import StepInput, share_step
+from mambaserve.forward_context import ForwardContext
 from mambaserve.loader import DTYPES, load_model
 
 logger = logging.getLogger("mambaserve")

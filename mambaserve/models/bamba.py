@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from mambaserve.forward_context import ForwardContext
-from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.linear import VocabParallelEmbedding
+from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM

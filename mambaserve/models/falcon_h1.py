@@ -45,9 +45,9 @@ from torch import nn
 
 from mambaserve.distributed import all_reduce, current_group
 from mambaserve.forward_context import ForwardContext
+from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import GatedMLP
-from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from mambaserve.forward_context import ForwardContext
+from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.mlp import FusedGatedMLP
 from mambaserve.layers.moe import GraniteMoE
-from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM

@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from mambaserve.forward_context import ForwardContext
+from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.mamba1 import MambaMixer
 from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.moe import SparseMoeBlock
-from mambaserve.layers.linear import VocabParallelEmbedding
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM
 from mambaserve.models.config_utils import attention_from_config, cache_indices, layer_kinds

@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mambaserve.forward_context import ForwardContext
 from mambaserve.distributed import all_reduce, current_group
+from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, linear_of_partial, replicated_linear
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.mlp import MLP

@@ -44,9 +44,9 @@ from mambaserve.distributed import current_group
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.activation import get_activation
 from mambaserve.layers.attention import Attention
+from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, packed_ranges
 from mambaserve.layers.lora import lora_adapters
 from mambaserve.layers.mamba2 import Mamba2Mixer
-from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, packed_ranges
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM
 from mambaserve.models.config_checks import require_value

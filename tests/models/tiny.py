@@ -157,6 +157,35 @@ CONFIGS = {
         mamba_d_state=16, mamba_d_conv=3, mamba_expand=2, mamba_dt_rank=5, mamba_conv_bias=False, mamba_proj_bias=True,
         rms_norm_eps=1e-4, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
+    # Shapes for tensor parallelism at 2 and 4 ranks (tests/engine/test_tensor_parallel.py):
+    # granite: n_groups 1 (B/C replicated, the gated norm all-reduced), one KV head for 4 query
+    # heads, a shared expert beside the MoE (40 is no multiple of 16: not absorbed), untied, a
+    # vocabulary of 211 (padded on the last rank)
+    "granite-tp": dict(
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=211, hidden_size=48, intermediate_size=16, shared_intermediate_size=40,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, num_local_experts=5, num_experts_per_tok=2,
+        mamba_n_heads=8, mamba_d_head=12, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8,
+        layer_types=["mamba", "attention", "mamba", "attention"], position_embedding_type="nope",
+        embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.5,
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    # granite: n_groups 2 (split at 2 ranks, each group on 2 ranks at 4), the shared expert absorbed
+    # into the MoE (32 = 2 x 16), RoPE, tied embeddings
+    "granite-tp-absorbed": dict(
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=199, hidden_size=32, intermediate_size=16, shared_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_expand=2, mamba_chunk_size=8,
+        layer_types=["mamba", "attention", "mamba"], position_embedding_type="rope", attention_multiplier=0.25,
+        embedding_multiplier=2.0, residual_multiplier=0.7, logits_scaling=1.5,
+        tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
+    # bamba: n_groups 8 (split at 2 and 4 ranks), 2 KV heads (replicated at 4 ranks), untied
+    "bamba-tp": dict(
+        arch="Bamba", initializer_range=0.2, vocab_size=203, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=12, mamba_d_state=8,
+        mamba_n_groups=8, mamba_expand=2, mamba_chunk_size=8, attn_layer_indices=[1],
+        tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
+    ),
 }
 
 
