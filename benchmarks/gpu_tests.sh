@@ -6,6 +6,7 @@
 #   ops-engine    every op test, the GPU engine tests (Triton vs reference, CUDA graphs vs eager), the demo model
 #   models        the model and engine tests with a CUDA case ("cuda or gpu"): parity with transformers
 #   falcon-jamba  the Falcon-H1 and Jamba GPU tests and the ops they add (activation, router top-k)
+#   tensor-parallel  NCCL collectives captured in a CUDA graph (one GPU); two ranks against one (two GPUs)
 # PYTEST_ARGS go to every pytest call (e.g. -k async; a -k of yours replaces the models part's own).
 # Each part writes $OUT/gpu-tests-PART.log (the whole pytest output) and $OUT/gpu-tests-PART.json: GPU,
 # commit, date, the selection, the passed / failed / error / skipped counts and the failing tests' ids.
@@ -66,7 +67,9 @@ case "$PART" in
   falcon-jamba)
     run_part falcon-jamba 300 tests/ops tests/models tests/engine \
       -k "falcon or jamba or activation or topk or router" "$@" ;;
+  tensor-parallel)
+    run_part tensor-parallel 300 tests/distributed tests/engine/test_tensor_parallel.py -k gpu "$@" ;;
   all|ops-engine|models) ;;
-  *) echo "usage: $0 [all|ops-engine|models|falcon-jamba] [PYTEST_ARGS...]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|ops-engine|models|falcon-jamba|tensor-parallel] [PYTEST_ARGS...]" >&2; exit 2 ;;
 esac
 echo "logs and summaries in $OUT"

@@ -159,3 +159,23 @@ def test_ranks_started_by_torchrun_meet_through_the_environment(tmp_path):
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert f"TOKENS {want[0].outputs[0].token_ids}" in outs[0] and "TOKENS" not in outs[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("name", ["granite-tp", "zamba2", "jamba"])
+def test_gpu_two_ranks_with_graphs_equal_one_gpu(name):
+    """NCCL, and the collectives captured in the decode and piecewise CUDA graphs: greedy outputs
+    of two GPUs equal one GPU's (float32, no TF32)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    prompts = [p for p, _ in _requests(name)][:6]
+    kw = {"dtype": "float32", "device": "cuda", "skip_tokenizer_init": True, "gpu_memory_utilization": 0.3,
+          "max_num_seqs": 8, "cuda_graph_sizes": [1, 2, 4, 8]}
+    want = [o.outputs[0].token_ids for o in LLM(checkpoint(name), **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(checkpoint(name), tensor_parallel_size=2, **kw)
+    try:
+        assert llm.llm_engine.runner.decode_graphs is not None
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == want
