@@ -11,10 +11,65 @@ from pathlib import Path
 
 COMPILATION_MODES = ("eager", "piecewise", "full_and_piecewise")
 
+# state-checkpoint granularity when mamba_block_size is unset: the SSD chunk size of the
+# Granite 4.0-H / Bamba / Nemotron-H checkpoints (rounded up to a multiple of block_size)
+DEFAULT_MAMBA_BLOCK_SIZE = 256
+
 
 def default_model() -> str:
     """The bundled demo checkpoint (a small trained Granite 4.0-H-style hybrid)."""
     return str(Path(__file__).parent / "assets" / "demo-model")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the caches are laid out and shared (vLLM's `CacheConfig` names), built and validated
+    by `EngineConfig` from its flat fields of the same names (`EngineConfig.cache_config`).
+
+    block_size: tokens per KV block of the attention layers. enable_prefix_caching: reuse the
+    caches of a prompt prefix that an earlier request computed: KV blocks for attention layers,
+    state checkpoints (conv + SSM state of every Mamba layer, copied out of a running slot) for
+    Mamba layers. mamba_block_size: granularity of the state checkpoints, in tokens: a prefix
+    can be reused only up to a multiple of it (None: `DEFAULT_MAMBA_BLOCK_SIZE`, rounded up to a
+    multiple of block_size); for a model with attention layers it must be a multiple of
+    block_size (checked where the model is known: `check_model`). num_state_checkpoints: rows
+    of the checkpoint pool beside the running state slots (None: the share `cache.budget` gives
+    them; 0 turns checkpoints off, so that only pure-attention prefixes could be reused, which
+    none of our models have). Raises ValueError for bad values.
+    """
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    mamba_block_size: int | None = None
+    num_state_checkpoints: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        m = self.mamba_block_size
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(f"mamba_block_size must be an integer >= 1, got {m!r}")
+        n = self.num_state_checkpoints
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"num_state_checkpoints must be an integer >= 0, got {n!r}")
+
+    @property
+    def resolved_mamba_block_size(self) -> int:
+        """mamba_block_size, or the default: DEFAULT_MAMBA_BLOCK_SIZE rounded up to a multiple of block_size."""
+        if self.mamba_block_size is not None:
+            return self.mamba_block_size
+        b = self.block_size
+        return -(-DEFAULT_MAMBA_BLOCK_SIZE // b) * b
+
+    def check_model(self, has_attention: bool) -> None:
+        """Raise ValueError when prefix caching is on for a model with attention layers and
+        mamba_block_size is not a multiple of block_size: a checkpoint position must end a KV block."""
+        m = self.resolved_mamba_block_size
+        if self.enable_prefix_caching and has_attention and m % self.block_size:
+            raise ValueError(f"mamba_block_size ({m}) must be a multiple of block_size ({self.block_size}) "
+                             "for a model with attention layers")
 
 
 @dataclass
@@ -45,10 +100,12 @@ class EngineConfig:
     process alone. Under tensor parallelism gpu_memory_utilization and cpu_cache_bytes are per
     rank.
 
+    enable_prefix_caching (default on), mamba_block_size, num_state_checkpoints: prefix caching,
+    as `CacheConfig` (`cache_config`) describes them.
+
     vLLM options taken so that a vLLM call or command line moves over unchanged, at the values
     this engine implements (other values raise ValueError saying so): kv_cache_dtype "auto"
-    (the model dtype), quantization None, enable_prefix_caching False; trust_remote_code is
-    passed to the tokenizer's loading.
+    (the model dtype), quantization None; trust_remote_code is passed to the tokenizer's loading.
     """
 
     model: str = field(default_factory=default_model)
@@ -77,7 +134,9 @@ class EngineConfig:
     trust_remote_code: bool = False
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
-    enable_prefix_caching: bool | None = None
+    enable_prefix_caching: bool = True
+    mamba_block_size: int | None = None
+    num_state_checkpoints: int | None = None
 
     def __post_init__(self):
         self.model = os.fspath(self.model)
@@ -91,8 +150,9 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.enable_prefix_caching is None:  # an unset command-line flag: the default
+            self.enable_prefix_caching = True
+        self.cache_config  # noqa: B018 - validates block_size and the prefix-caching fields
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -111,12 +171,16 @@ class EngineConfig:
         unsupported = {
             "kv_cache_dtype": (self.kv_cache_dtype != "auto", "the KV cache is kept in the model dtype"),
             "quantization": (self.quantization is not None, "quantized checkpoints are not supported yet"),
-            "enable_prefix_caching": (bool(self.enable_prefix_caching),
-                                      "prefix caching is not implemented (a hybrid model would need its SSM states at block boundaries)"),
         }
         for name, (bad, why) in unsupported.items():
             if bad:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not supported: {why}")
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        """The cache fields as one validated `CacheConfig` (built anew: it follows later edits)."""
+        return CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching,
+                           mamba_block_size=self.mamba_block_size, num_state_checkpoints=self.num_state_checkpoints)
 
     def resolved_device(self) -> str:
         import torch

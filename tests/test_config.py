@@ -23,7 +23,9 @@ def test_vllm_options_at_their_supported_values_are_accepted():
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
     (dict(kv_cache_dtype="fp8"), "model dtype"),
     (dict(quantization="awq"), "quantized"),
-    (dict(enable_prefix_caching=True), "prefix caching"),
+    (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
+    (dict(mamba_block_size=0), "mamba_block_size"),
+    (dict(num_state_checkpoints=-1), "num_state_checkpoints"),
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(block_size=12), "power of two"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
@@ -34,3 +36,17 @@ def test_vllm_options_at_their_supported_values_are_accepted():
 def test_unsupported_or_bad_values_say_why(kwargs, reason):
     with pytest.raises(ValueError, match=reason):
         EngineConfig(**kwargs)
+
+
+def test_cache_config_follows_the_engine_fields_and_checks_mamba_block_size():
+    c = EngineConfig(block_size=8, mamba_block_size=24, num_state_checkpoints=3)
+    cc = c.cache_config
+    assert cc.enable_prefix_caching is True and cc.block_size == 8
+    assert cc.resolved_mamba_block_size == 24 and cc.num_state_checkpoints == 3
+    cc.check_model(has_attention=True)
+    assert EngineConfig(enable_prefix_caching=None).enable_prefix_caching is True  # an unset flag
+    assert EngineConfig(block_size=512).cache_config.resolved_mamba_block_size == 512
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        EngineConfig(block_size=16, mamba_block_size=24).cache_config.check_model(has_attention=True)
+    EngineConfig(block_size=16, mamba_block_size=24).cache_config.check_model(has_attention=False)
+    EngineConfig(block_size=16, mamba_block_size=24, enable_prefix_caching=False).cache_config.check_model(True)

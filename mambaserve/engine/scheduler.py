@@ -41,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from mambaserve.cache.block_pool import BlockPool
+from mambaserve.cache.prefix_cache import PrefixCacheStats
 from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.engine.sequence import Sequence, SequenceStatus
 
@@ -99,6 +100,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached KV block and state checkpoint that no running request uses.
+        Returns False, dropping nothing, while any request runs (vLLM's semantics)."""
+        return not self.running
 
     @property
     def num_running(self) -> int:

@@ -60,7 +60,9 @@ class Sequence:
     per output token when logprobs were requested), prompt_logprobs (filled by the engine when
     requested; the first entry is None since the first token has no context), generator (the
     request's own RNG when it has a seed; created by the sampler on the logits' device),
-    num_preemptions.
+    num_preemptions, num_cached_tokens (prompt tokens served from the prefix cache when it was
+    first admitted: 0 without a hit; kept as first set for the life of the request, after a
+    preemption too, as vLLM's `num_cached_tokens`).
     """
 
     def __init__(
@@ -90,6 +92,8 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
+        self.num_cached_tokens = 0
+        self._cached_tokens_set = False  # num_cached_tokens is set once, at the first admission
 
     @property
     def all_token_ids(self) -> list[int]:
