@@ -21,8 +21,7 @@ import argparse
 import torch
 
 from mambaserve import LLM, SamplingParams
-from tests.engine.test_engine import prompts_for
-from tests.engine.test_gpu import SHARE, gen_with_logprobs
+from tests.engine.engines import SHARE, gen_with_logprobs, prompts_for
 from tests.models.tiny import checkpoint, hf_model, router_margins, routers_of
 
 LENS = (1, 2, 3, 9, 17, 30, 64, 5, 7)

@@ -7,52 +7,18 @@ and must equal transformers' greedy generate. Pools must return to their startin
 import pytest
 import torch
 
-from mambaserve import LLM, SamplingParams
-from tests.models.tiny import checkpoint, hf_model, skip_unless_transformers_per_group
-
-# Falcon-H1: state + KV in every layer; Jamba: Mamba-1 with dt/B/C norms, NoPE attention, softmax top-k MoE
-FAMILIES = ["granite-moe", "bamba", "mamba2-untied", "falcon-h1", "falcon-h1-norm", "jamba"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-def make(name, **kw):
-    """An engine on the CPU reference path (the GPU path has its own tests in test_gpu.py)."""
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("device", "cpu")
-    return LLM(checkpoint(name), skip_tokenizer_init=True, **kw)
-
-
-def prompts_for(name, lens=(1, 2, 3, 9, 17, 30), seed=0):
-    g = torch.Generator().manual_seed(seed)
-    vocab = hf_model(name).config.vocab_size
-    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
-
-
-def run(llm, prompts, params=GREEDY):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_pools_empty(llm):
-    e = llm.llm_engine
-    usage = e.usage()
-    assert usage.num_slots_used == 0 and usage.num_blocks_used == 0
-    assert usage.num_running == 0 and usage.num_waiting == 0
-    assert not e.has_unfinished_requests() and e.num_requests == 0
-
-
-@pytest.fixture(scope="module")
-def alone():
-    """Each prompt generated alone, per family: the reference every batching test compares with."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            llm = make(name, max_num_seqs=1)
-            cache[name] = [run(llm, [p])[0] for p in prompts_for(name)]
-        return cache[name]
-
-    return get
+from mambaserve import SamplingParams
+from tests.engine.engines import (
+    FAMILIES,
+    GREEDY,
+    EagerPiecewise,
+    assert_pools_empty,
+    count_chained,
+    make,
+    prompts_for,
+    run,
+)
+from tests.models.tiny import hf_model, skip_unless_transformers_per_group
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -227,25 +193,6 @@ def test_prompt_logprobs_match_transformers(name):
         assert abs(got - float(ref[j - 1, p[j]])) < 1e-4 * max(1.0, abs(float(ref[j - 1, p[j]])))
 
 
-class _EagerPiecewise:
-    """Stands in for the piecewise graph runner on the CPU: the step is padded to the next
-    captured size exactly as the graphs pad it (padding rows: token 0, position 0, no sequence)
-    and run eagerly with the real step's context."""
-
-    def __init__(self, model, sizes=(8, 16, 32, 64)):
-        self.model, self.sizes = model, sizes
-
-    def padded_size(self, num_tokens):
-        return next((s for s in self.sizes if s >= num_tokens), None)
-
-    def run(self, input_ids, positions, ctx):
-        t = input_ids.shape[0]
-        pad = self.padded_size(t) - t
-        ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
-        pos = torch.cat([positions, positions.new_zeros(pad)])
-        return self.model(ids, pos, ctx)[:t]
-
-
 @pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied", "falcon-h1", "jamba"])
 @pytest.mark.parametrize("budget", [1, 3, 7])
 def test_padded_piecewise_steps_equal_alone(name, budget, alone):
@@ -253,7 +200,7 @@ def test_padded_piecewise_steps_equal_alone(name, budget, alone):
     # and a state, some of them mid-prompt: the decode kernels must not get padding rows
     llm = make(name, max_num_batched_tokens=budget)
     runner = llm.llm_engine.runner
-    runner.piecewise_graphs = _EagerPiecewise(runner.model)
+    runner.piecewise_graphs = EagerPiecewise(runner.model)
     assert run(llm, prompts_for(name)) == alone(name)
     assert_pools_empty(llm)
 
@@ -316,19 +263,6 @@ def test_prompt_and_generation_token_counters(kw):
     assert usage.generation_tokens == sum(len(o) for o in outs)
 
 
-def _count_chained(llm):
-    """Wrap the runner's chained-decode entry point: returns a list whose [0] counts its calls."""
-    runner, calls = llm.llm_engine.runner, [0]
-    inner = runner.execute_chained_decode
-
-    def counted(*args, **kw):
-        calls[0] += 1
-        return inner(*args, **kw)
-
-    runner.execute_chained_decode = counted
-    return calls
-
-
 @pytest.mark.parametrize("name", FAMILIES)
 def test_async_scheduling_equals_sync(name):
     """The decode step launched before the host reads the previous tokens changes nothing:
@@ -350,7 +284,7 @@ def test_async_scheduling_equals_sync(name):
     results = {}
     for mode in (False, True):
         llm = make(name, async_scheduling=mode, max_num_seqs=4)
-        calls = _count_chained(llm)
+        calls = count_chained(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[mode] = [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
         assert (calls[0] > 0) == mode

@@ -6,7 +6,7 @@ import pytest
 
 from mambaserve import SamplingParams
 from mambaserve.engine.llm_engine import QueueFullError
-from tests.engine.test_engine import assert_pools_empty, make, prompts_for
+from tests.engine.engines import assert_pools_empty, make, prompts_for
 from tests.models.tiny import hf_model
 
 

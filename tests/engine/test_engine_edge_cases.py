@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mambaserve import LLM, SamplingParams
-from tests.engine.test_engine import alone, assert_pools_empty, make, prompts_for, run  # noqa: F401 (fixture)
+from tests.engine.engines import assert_pools_empty, make, prompts_for, run
 from tests.models.tiny import checkpoint, hf_model, skip_unless_transformers_per_group
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

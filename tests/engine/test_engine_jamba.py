@@ -7,7 +7,7 @@ stacked experts, dummy weights. CPU, float32, reference ops."""
 
 import torch
 
-from tests.engine.test_engine import _EagerPiecewise, alone, assert_pools_empty, make, prompts_for, run  # noqa: F401
+from tests.engine.engines import EagerPiecewise, assert_pools_empty, make, prompts_for, run
 
 NAME = "jamba-moe-every-layer"
 
@@ -19,7 +19,7 @@ def test_moe_every_layer_batched_chunked_and_preempted_equal_alone(alone):
     assert run(make(NAME), prompts) == alone(NAME)
     llm = make(NAME, max_num_batched_tokens=7)
     runner = llm.llm_engine.runner
-    runner.piecewise_graphs = _EagerPiecewise(runner.model)
+    runner.piecewise_graphs = EagerPiecewise(runner.model)
     assert run(llm, prompts) == alone(NAME)
     assert_pools_empty(llm)
     llm = make(NAME, block_size=4, num_kv_blocks=12, max_model_len=48)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mambaserve import SamplingParams
-from tests.engine.test_engine import GREEDY, _EagerPiecewise, alone, assert_pools_empty, make, prompts_for, run  # noqa: F401
+from tests.engine.engines import GREEDY, EagerPiecewise, assert_pools_empty, make, prompts_for, run
 from tests.models.tiny import hf_model
 
 NAME = "mamba1"
@@ -32,7 +32,7 @@ def test_padded_piecewise_steps_equal_alone(alone):
     """Steps padded to a captured size as the piecewise graphs pad them (rows of no sequence)."""
     llm = make(NAME, max_num_batched_tokens=7)
     runner = llm.llm_engine.runner
-    runner.piecewise_graphs = _EagerPiecewise(runner.model)
+    runner.piecewise_graphs = EagerPiecewise(runner.model)
     assert run(llm, prompts_for(NAME)) == alone(NAME)
     assert_pools_empty(llm)
 

@@ -8,7 +8,7 @@ depth); Nemotron-H adds MLP-only and MoE layers that hold no cache at all.
 import pytest
 import torch
 
-from tests.engine.test_engine import alone, assert_pools_empty, make, prompts_for, run  # noqa: F401 (fixture)
+from tests.engine.engines import assert_pools_empty, make, prompts_for, run
 
 FAMILIES = ["zamba2", "nemotron-h-moe"]  # nemotron-h-moe has all four layer kinds: M, E, *, -
 
@@ -71,7 +71,7 @@ def test_gpu_graphs_equal_eager(name, dtype):
     by rounding: float32 (no TF32) keeps that far below any greedy decision."""
     from mambaserve import LLM, SamplingParams
     from tests.conftest import assert_greedy_close
-    from tests.engine.test_gpu import gen_with_logprobs
+    from tests.engine.engines import gen_with_logprobs
     from tests.models.tiny import checkpoint
 
     torch.backends.cuda.matmul.allow_tf32 = False

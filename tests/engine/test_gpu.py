@@ -8,26 +8,10 @@ import torch
 
 from mambaserve import LLM, SamplingParams
 from tests.conftest import assert_greedy_close
-from tests.engine.test_engine import FAMILIES, prompts_for
+from tests.engine.engines import FAMILIES, SHARE, gen_with_logprobs, prompts_for, run
 from tests.models.tiny import checkpoint, hf_model, routers_of, steps_before_near_tie, tie_free_tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-# each engine's share of the GPU: several engines live in one test process
-SHARE = 0.05
-
-
-def _gen(llm, prompts, params):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
-
-
-def gen_with_logprobs(llm, prompts, params):
-    """Greedy runs as `assert_greedy_close` takes them: (token ids, top-candidate logprobs)."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
-
 
 # FAMILIES holds Falcon-H1's two configs (without a mixer norm: the scan kernels take the gate;
 # with the gated norm per group, biases) and Jamba; and the MoE holding its shared expert, and Mamba-1
@@ -44,8 +28,8 @@ def test_gpu_greedy_equals_cpu_float32(name):
     torch.backends.cudnn.allow_tf32 = False
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     prompts = prompts_for(name)
-    cpu = _gen(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cpu"), prompts, params)
-    gpu = _gen(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cuda", enforce_eager=True,
+    cpu = run(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cpu"), prompts, params)
+    gpu = run(LLM(checkpoint(name), skip_tokenizer_init=True, dtype="float32", device="cuda", enforce_eager=True,
                    gpu_memory_utilization=SHARE), prompts, params)
     assert gpu == cpu
 

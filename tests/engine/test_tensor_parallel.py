@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mambaserve import LLM, SamplingParams
-from tests.engine.test_engine import _count_chained
+from tests.engine.engines import count_chained
 from tests.models.tiny import CONFIGS, checkpoint, hf_model
 
 FAMILIES = ["granite-tp", "granite-tp-absorbed", "bamba-tp", "mamba2", "zamba2", "nemotron-h-moe",
@@ -73,7 +73,7 @@ def test_outputs_equal_one_rank(world_size, name):
     want, whole_spec = _one_rank(name)
     llm = LLM(checkpoint(name), tensor_parallel_size=world_size, **ENGINE)
     try:
-        chained = _count_chained(llm)
+        chained = count_chained(llm)
         got = _generate(llm, name)
         engine = llm.llm_engine
         preemptions, spec = engine.usage().preemptions, engine.runner.spec

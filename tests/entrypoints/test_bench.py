@@ -15,8 +15,14 @@ import numpy as np
 import pytest
 
 import mambaserve
-from mambaserve.benchmarks.datasets import (MAX_PROMPT_LEN, MAX_TOTAL_LEN, build_requests, random_requests,
-                                            sharegpt_requests, sharegpt_synthetic_lengths)
+from mambaserve.benchmarks.datasets import (
+    MAX_PROMPT_LEN,
+    MAX_TOTAL_LEN,
+    build_requests,
+    random_requests,
+    sharegpt_requests,
+    sharegpt_synthetic_lengths,
+)
 from mambaserve.entrypoints.cli import main
 from tests.entrypoints.fake_openai_server import FakeOpenAIServer
 from tests.models.tiny import CONFIGS, checkpoint

@@ -15,7 +15,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from tests.entrypoints.test_server import MODEL, running_server  # noqa: E402
+from tests.entrypoints.servers import MODEL, running_server  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 

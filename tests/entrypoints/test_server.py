@@ -10,7 +10,6 @@ in the pool afterwards, as /metrics reports them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import threading
@@ -23,42 +22,18 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from mambaserve import LLM, SamplingParams  # noqa: E402
-from mambaserve.entrypoints.cli import build_parser  # noqa: E402
-from mambaserve.entrypoints.server import bind_socket, build_server  # noqa: E402
+from tests.entrypoints.servers import (  # noqa: E402
+    AUTH,
+    KEY,
+    MODEL,
+    NUM_KV_BLOCKS,
+    PROMPTS,
+    metrics,
+    running_server,
+    stream_text,
+    wait_idle,
+)
 from tests.tokenized import tokenized_checkpoint  # noqa: E402
-
-MODEL = "tiny"
-KEY = "sk-test-key"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-NUM_KV_BLOCKS = 512
-PROMPTS = ["def add(a, b):", "The quick brown fox", "Hello, world!", "class Stack:", "Simple is better",
-           "Numbers: 1 2 3", "Tell me a story", "    return a"]
-
-
-@contextlib.contextmanager
-def running_server(*flags: str, model: str | None = None):
-    """A `mambaserve serve` server in a background thread; yields (base_url, uvicorn server).
-    model: the checkpoint (default: `tokenized_checkpoint()`)."""
-    args = build_parser().parse_args(["serve", model or tokenized_checkpoint(), "--dtype", "float32",
-                                      "--served-model-name", MODEL, "--uvicorn-log-level", "warning", *flags])
-    # Several engines live in this process: a fixed small KV pool each, rather than one engine
-    # taking the whole memory budget (an EngineConfig field with no flag; the args carry it).
-    args.num_kv_blocks = NUM_KV_BLOCKS
-    server = build_server(args)
-    sock = bind_socket("127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-        assert not thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -94,40 +69,6 @@ def offline():
 
     greedy.llm = llm
     return greedy
-
-
-def metrics(base_url: str) -> dict[str, float]:
-    """/metrics as {name: value}, labels dropped (one model, so one series per name)."""
-    out = {}
-    for line in httpx.get(f"{base_url}/metrics").text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0]] = float(value)
-    return out
-
-
-def wait_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:
-    """Poll /metrics until no slot, block or request is in use (aborts are asynchronous)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(base_url)
-        keys = ["mambaserve:state_slots_used", "mambaserve:kv_blocks_used", "mambaserve:num_requests_running",
-                "mambaserve:num_requests_waiting"]
-        if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
-            return m
-
-
-def stream_text(events) -> tuple[dict[int, str], dict[int, str], list]:
-    """Concatenated text and finish reasons per choice index of a completion or chat stream."""
-    texts, reasons, chunks = {}, {}, []
-    for ev in events:
-        chunks.append(ev)
-        for ch in ev.choices:
-            piece = ch.text if hasattr(ch, "text") else (ch.delta.content or "")
-            texts[ch.index] = texts.get(ch.index, "") + piece
-            if ch.finish_reason is not None:
-                reasons[ch.index] = ch.finish_reason
-    return texts, reasons, chunks
 
 
 # ---------------------------------------------------------------------------- basics

@@ -27,7 +27,7 @@ from mambaserve import SamplingParams  # noqa: E402
 from mambaserve.config import EngineConfig  # noqa: E402
 from mambaserve.engine.llm_engine import LLMEngine, QueueFullError  # noqa: E402
 from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput  # noqa: E402
-from tests.entrypoints.test_server import AUTH, KEY, running_server, wait_idle  # noqa: E402
+from tests.entrypoints.servers import AUTH, KEY, running_server, wait_idle  # noqa: E402
 from tests.tokenized import tokenized_checkpoint  # noqa: E402
 
 

@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from tests.entrypoints.test_server import running_server  # noqa: E402
+from tests.entrypoints.servers import running_server  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

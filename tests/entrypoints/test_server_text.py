@@ -15,7 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from mambaserve import LLM, SamplingParams  # noqa: E402
-from tests.entrypoints.test_server import KEY, MODEL, NUM_KV_BLOCKS, running_server, stream_text  # noqa: E402
+from tests.entrypoints.servers import KEY, MODEL, NUM_KV_BLOCKS, running_server, stream_text  # noqa: E402
 from tests.tokenized import KINDS, tokenized_checkpoint  # noqa: E402
 
 PROMPTS = ["Simple is", "The quick brown fox", "def add(a, b):"]

@@ -22,7 +22,7 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from mambaserve.config import default_model  # noqa: E402
-from tests.entrypoints.test_server import MODEL, running_server  # noqa: E402
+from tests.entrypoints.servers import MODEL, running_server  # noqa: E402
 
 CHAT = [{"role": "user", "content": "Reply in JSON."}]
 TOOLS = [

@@ -14,8 +14,14 @@ from safetensors.torch import save_file
 
 from mambaserve.distributed import TensorParallelGroup, building_with
 from mambaserve.layers import linear
-from mambaserve.layers.linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear, Shard,
-                                      VocabParallelEmbedding, shards_of)
+from mambaserve.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+    shards_of,
+)
 from tests.layers.shards import per_rank, whole_and_file
 
 

@@ -11,60 +11,19 @@ import copy
 import pytest
 import torch
 
-from mambaserve.cache.tensors import allocate_caches
-from mambaserve.forward_context import ForwardContext
 from mambaserve.loader import load_config, load_model
 from tests.conftest import rel_err
-from tests.models.tiny import (CONFIGS, checkpoint, hf_model, n_groups_of, skip_unless_transformers_per_group,
-                               tie_free_tokens)
+from tests.models.harness import Harness
+from tests.models.tiny import (
+    CONFIGS,
+    checkpoint,
+    hf_model,
+    n_groups_of,
+    skip_unless_transformers_per_group,
+    tie_free_tokens,
+)
 
-BLOCK = 4
 LENS = [1, 2, 3, 21, 40]
-
-
-class Harness:
-    """Just enough of an engine to run packed steps: one slot and a contiguous block range per prompt."""
-
-    def __init__(self, model, n_seqs, max_len, device="cpu"):
-        self.model = model
-        self.device = device
-        self.blocks_per_seq = -(-max_len // BLOCK)
-        spec = model.cache_spec(model.cache_dtypes(ssm_dtype=torch.float32))
-        self.caches = allocate_caches(spec, num_slots=n_seqs + 2, num_blocks=n_seqs * self.blocks_per_seq + 1,
-                                      block_size=BLOCK, device=device)
-        # poison the states: a sequence without an initial state must never read them
-        for conv, ssm in self.caches.mamba:
-            conv.fill_(float("nan")), ssm.fill_(float("nan"))
-        self.has_attn = bool(spec.attention)
-        self.slot = {i: n_seqs + 1 - i for i in range(n_seqs)}  # slots in reverse order
-        self.done = {i: 0 for i in range(n_seqs)}
-
-    def step(self, chunks: dict[int, list[int]]):
-        """chunks: seq id -> new token ids. Returns logits of every new token, per seq."""
-        order = sorted(chunks, key=lambda i: (len(chunks[i]) != 1 or self.done[i] == 0, i))
-        ids, pos, tables = [], [], []
-        for i in order:
-            ids += chunks[i]
-            pos += list(range(self.done[i], self.done[i] + len(chunks[i])))
-            tables.append([i * self.blocks_per_seq + b for b in range(self.blocks_per_seq)])
-        ctx = ForwardContext.build(
-            query_lens=[len(chunks[i]) for i in order],
-            seq_lens=[self.done[i] + len(chunks[i]) for i in order],
-            state_indices=[self.slot[i] for i in order],
-            has_initial_state=[self.done[i] > 0 for i in order],
-            block_tables=tables if self.has_attn else None, block_size=BLOCK, device=self.device,
-            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv,
-        )
-        with torch.no_grad():
-            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
-            logits = self.model.compute_logits(hidden).cpu()
-        out, row = {}, 0
-        for i in order:
-            n = len(chunks[i])
-            out[i] = logits[row:row + n]
-            row += n
-            self.done[i] += n
-        return out
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -133,6 +92,39 @@ def test_mixed_chunked_step_matches_transformers(name):
             assert rel_err(torch.cat(got[i]), ref) < 1e-4, f"sequence {i}"
 
 
+# Hybrids whose attention and Mamba layers interleave in ways the families above do not (Zamba2's
+# shared blocks, Nemotron-H's per-layer kinds, Falcon-H1's both-in-every-layer): a longer plan,
+# chunk boundaries at chunk size +- 1, prompts shorter than the conv width, then decode-only steps.
+MIXED_AND_DECODE = ["zamba2", "zamba2-gqa", "nemotron-h", "nemotron-h-moe", "falcon-h1", "falcon-h1-norm"]
+
+
+@pytest.mark.parametrize("name", MIXED_AND_DECODE)
+def test_mixed_chunked_and_decode_steps_match_transformers(name):
+    hf = hf_model(name)
+    skip_unless_transformers_per_group(hf)
+    ours = load_model(checkpoint(name), dtype="float32")
+    vocab = hf.config.vocab_size
+    seqs = [torch.randint(3, vocab, (n,)).tolist() for n in (33, 5, 18, 9)]
+    h = Harness(ours, len(seqs), 33)
+    plan = [
+        {0: seqs[0][:7], 1: seqs[1][:4], 3: seqs[3][:1]},  # 7 = chunk - 1; 1 and 4 < conv width
+        {0: seqs[0][7:16], 1: seqs[1][4:5], 2: seqs[2][:2], 3: seqs[3][1:2]},  # 9 = chunk + 1, decodes
+        {0: seqs[0][16:17], 2: seqs[2][2:17], 3: seqs[3][2:9]},
+        {0: seqs[0][17:31], 2: seqs[2][17:18]},
+        {0: seqs[0][31:32], 1: [3], 3: [4]},  # decode-only steps from here
+        {0: seqs[0][32:33]},
+    ]
+    seqs[1].append(3), seqs[3].append(4)
+    got = {i: [] for i in range(len(seqs))}
+    for chunks in plan:
+        for i, logits in h.step(chunks).items():
+            got[i].append(logits)
+    with torch.no_grad():
+        for i, s in enumerate(seqs):
+            ref = hf(torch.tensor([s])).logits[0]
+            assert rel_err(torch.cat(got[i]), ref) < 1e-4, f"sequence {i} (len {len(s)})"
+
+
 def test_unknown_architecture_is_a_clear_error(tmp_path):
     import json
 
@@ -143,7 +135,8 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
         load_model(tmp_path)
 
 
-@pytest.mark.parametrize("name", ["granite-moe-absorbed", "granite-moe", "mamba2", "mamba1", "mamba1-untied", pytest.param(
+@pytest.mark.parametrize("name", ["granite-moe-absorbed", "granite-moe", "mamba2", "mamba1", "mamba1-untied",
+                                  "falcon-h1", "falcon-h1-norm", pytest.param(
     # the interpreter takes over 20 s on this model (it passed when run by hand on the CPU)
     "jamba", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="slow in the Triton interpreter"))])
 def test_triton_kernels_match_the_reference_ops_in_a_model(name):

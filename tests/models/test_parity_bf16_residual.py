@@ -18,7 +18,7 @@ import torch
 
 from mambaserve.loader import load_model
 from tests.conftest import rel_err
-from tests.models.test_parity import Harness
+from tests.models.harness import Harness
 from tests.models.tiny import CONFIGS, hf_model, skip_unless_transformers_per_group
 
 DEEP_LAYERS = 16

@@ -1,12 +1,10 @@
 """Falcon-H1 against transformers' own FalconH1ForCausalLM, float32, tiny random checkpoints.
 
-The tiny configs live in `tests.models.tiny.CONFIGS`, so `test_parity.py`'s packed prefill +
-decode test runs them too. Here: steps that mix prefill chunks (boundaries at chunk size +- 1,
-prompts shorter than the conv width) with decodes, then decode-only steps, reproduce
-transformers' logits of every prefix (the plan of `test_parity_zamba2_nemotron`'s test); the whole model on the Triton path (the scan kernels
-taking the gate z when the mixer has no norm) equals the reference ops; the muP multipliers
-are folded into exactly the weights the module docstring names; configs we cannot run are
-refused.
+The tiny configs live in `tests.models.tiny.CONFIGS`, so `test_parity.py`'s shared tests take
+them: packed prefill + decode, mixed chunked and decode steps against transformers, and the
+whole model on the Triton path (the scan kernels taking the gate z when the mixer has no norm)
+against the reference ops. Here, what only Falcon-H1 has: the muP multipliers are folded into
+exactly the weights the module docstring names; configs we cannot run are refused.
 """
 
 import pytest
@@ -14,20 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from mambaserve.loader import load_model
-from tests.models import test_parity, test_parity_zamba2_nemotron
 from tests.models.tiny import checkpoint, hf_model
-
-NAMES = ["falcon-h1", "falcon-h1-norm"]
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_mixed_chunked_and_decode_steps_match_transformers(name):
-    test_parity_zamba2_nemotron.test_mixed_chunked_and_decode_steps_match_transformers(name)
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_triton_path_matches_reference_ops(name):
-    test_parity.test_triton_kernels_match_the_reference_ops_in_a_model(name)
 
 
 def test_multipliers_are_folded_into_the_named_weights():

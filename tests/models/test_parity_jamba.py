@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mambaserve.loader import load_model
-from tests.models.test_parity_mamba1 import assert_bf16_steps_near_transformers
+from tests.models.harness import assert_bf16_steps_near_transformers
 from tests.models.tiny import checkpoint, hf_model, router_margins, steps_before_near_tie, tie_free_tokens
 
 

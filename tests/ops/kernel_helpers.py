@@ -1,4 +1,6 @@
-"""Helpers shared by the Triton kernel tests: devices, packed batches, poisoned allocations.
+"""Helpers shared by the Triton kernel tests: devices, packed batches, padded slots.
+
+The `poison_empty` fixture (NaN-filled allocations) is in conftest.py.
 
 Kernel tests run the Triton implementations (`mambaserve.ops.backend("triton")`) against
 `mambaserve.ops.reference`: on CUDA when there is a GPU, otherwise on CPU tensors through the
@@ -13,25 +15,6 @@ from tests.conftest import HAS_CUDA
 # The interpreter only runs when no GPU is present, so CPU tensors are tested only then.
 DEVICES = ["cuda"] if HAS_CUDA else ["cpu"]
 gpu_only = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-
-
-@pytest.fixture
-def poison_empty(monkeypatch):
-    """Every torch.empty / torch.empty_like inside the test comes back NaN-filled (floats) or
-    filled with a huge negative number (integers), so an element or intermediate buffer that a
-    kernel forgets to write shows up in the result."""
-    orig_empty, orig_empty_like = torch.empty, torch.empty_like
-
-    def fill(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype in (torch.int32, torch.int64):
-            t.fill_(-(2**30))
-        return t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(orig_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(orig_empty_like(*a, **k)))
-    yield
 
 
 def packed(lens, device):

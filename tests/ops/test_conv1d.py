@@ -7,7 +7,7 @@ from mambaserve import ops
 from mambaserve.ops import conv1d, varlen
 from mambaserve.ops import reference as ref
 from tests.conftest import rel_err, tolerance
-from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, poison_empty, random_slots  # noqa: F401
+from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, random_slots
 
 
 def _run_both(x, w, b, states, qsl, idx, has, activation, blocks=None):
@@ -35,7 +35,7 @@ def _check_states(ours, expected, before, idx):
     "dtype,width,activation,with_bias",
     [(torch.float32, 4, "silu", True), (torch.bfloat16, 4, "silu", True), (torch.float32, 3, None, False)],
 )
-def test_causal_conv1d_mixed_batch(device, dtype, width, activation, with_bias, poison_empty):
+def test_causal_conv1d_mixed_batch(device, dtype, width, activation, with_bias):
     dim, num_slots = 300, 16  # dim is not a multiple of the feature block
     # prefills longer than a token block, shorter than the conv width, an empty sequence, decodes
     lens = [1, 2, 3, 70, 1, 0, 5, 1, 130, 1]
@@ -79,7 +79,7 @@ def test_causal_conv1d_takes_the_step_plan(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_causal_conv1d_update(device, dtype, poison_empty):
+def test_causal_conv1d_update(device, dtype):
     batch, dim, width, num_slots = 7, 300, 4, 11
     idx = random_slots(batch, num_slots, padding=[1, 5], device=device)
     x = torch.randn(batch, dim + 9, device=device).to(dtype)[:, 3:3 + dim]

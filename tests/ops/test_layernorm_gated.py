@@ -7,7 +7,7 @@ from mambaserve import ops
 from mambaserve.ops import layernorm_gated
 from mambaserve.ops import reference as ref
 from tests.conftest import rel_err, tolerance
-from tests.ops.kernel_helpers import DEVICES, gpu_only, poison_empty  # noqa: F401
+from tests.ops.kernel_helpers import DEVICES, gpu_only
 
 
 def _check(x, w, z, group_size, norm_before_gate):
@@ -20,7 +20,7 @@ def _check(x, w, z, group_size, norm_before_gate):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size,norm_before_gate", [(120, False), (40, True), (24, False)])
-def test_rms_norm_gated(device, dtype, group_size, norm_before_gate, poison_empty):
+def test_rms_norm_gated(device, dtype, group_size, norm_before_gate):
     T, hidden = 13, 120  # 40 features per group: not a power of two
     x = torch.randn(T, hidden, device=device).to(dtype)
     z = torch.randn(T, hidden + 30, device=device).to(dtype)[:, 10:10 + hidden]  # a column slice
@@ -29,7 +29,7 @@ def test_rms_norm_gated(device, dtype, group_size, norm_before_gate, poison_empt
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_rms_norm_gated_no_gate_and_two_pass(device, poison_empty, monkeypatch):
+def test_rms_norm_gated_no_gate_and_two_pass(device, monkeypatch):
     x = torch.randn(5, 96, device=device)
     w = torch.randn(96, device=device)
     _check(x, w, None, 48, False)
@@ -50,7 +50,7 @@ def test_rms_norm_gated_long_prompt_gpu(poison_empty):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("two_pass", [False, True])
-def test_fused_add_rms_norm(device, dtype, two_pass, poison_empty, monkeypatch):
+def test_fused_add_rms_norm(device, dtype, two_pass, monkeypatch):
     """The residual add fused into the norm: the residual is updated in place exactly as
     torch.add(residual, x, alpha) rounds it, and the norm of the updated residual matches the
     float64 reference."""
@@ -79,7 +79,7 @@ def test_fused_add_rms_norm(device, dtype, two_pass, poison_empty, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("two_pass", [False, True])
-def test_fused_add_rms_norm_takes_partial_sums(device, two_pass, poison_empty, monkeypatch):
+def test_fused_add_rms_norm_takes_partial_sums(device, two_pass, monkeypatch):
     """x as split-K partials (linear_partials' output) or strided MoE pairs: summed in order."""
     if two_pass:
         monkeypatch.setattr(layernorm_gated, "MAX_BLOCK_N", 32)
@@ -107,7 +107,7 @@ def test_fused_add_rms_norm_takes_partial_sums(device, two_pass, poison_empty, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_fused_add_rms_norm_many_partial_sums_of_a_wide_row(device, poison_empty):
+def test_fused_add_rms_norm_many_partial_sums_of_a_wide_row(device):
     """16 partial sums of a 4,096-wide row: loaded four parts at a time (the register cap)."""
     parts = torch.randn(16, 2, 4096, device=device)
     residual = torch.randn(2, 4096, device=device)

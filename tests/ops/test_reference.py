@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from mambaserve import ops
-from mambaserve.ops import reference as ref
 from tests.conftest import rel_err
 
 

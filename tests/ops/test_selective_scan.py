@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from mambaserve import ops
 from mambaserve.ops import varlen
 from tests.conftest import rel_err, tolerance
-from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, poison_empty, random_slots  # noqa: F401
+from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, random_slots
 
 
 def naive_scan(x, dt, A, B, C, D, z, dt_bias, states, lens, idx, has_init):
@@ -77,7 +77,7 @@ def _check_pool(ours, expected, before, idx, tol):
 @pytest.mark.parametrize("impl", ["triton", "triton-chunked", "triton-sequential", "reference"])
 @pytest.mark.parametrize("dtype,pool_dtype,N", [(torch.float32, torch.float32, 16), (torch.bfloat16, torch.float32, 24),
                                                 (torch.bfloat16, torch.bfloat16, 16)])
-def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, backend_of, poison_empty):
+def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, backend_of):
     dim, num_slots = 40, 11  # dim: one full channel block and a partial one
     # decodes (length 1, with a state), fresh prompts, chunks continuing a state, an empty sequence
     lens = [1, 1, 7, 1, 3, 0, 12, 1]
@@ -101,7 +101,7 @@ def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, backend
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_selective_scan_update_decode(device, impl, dtype, poison_empty):
+def test_selective_scan_update_decode(device, impl, dtype):
     dim, N, num_slots, batch = 72, 16, 9, 6
     idx = random_slots(batch, num_slots, padding=[2], device=device)
     x, dt, A, B, C, D, z, dt_bias = _inputs(batch, dim, N, dtype, device)
@@ -115,7 +115,7 @@ def test_selective_scan_update_decode(device, impl, dtype, poison_empty):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_selective_scan_without_optional_inputs(device, backend_of, poison_empty):
+def test_selective_scan_without_optional_inputs(device, backend_of):
     """No D, z or dt_bias, and dt taken as it is (dt_softplus=False)."""
     lens, dim, N = [4, 1, 6], 33, 16
     qsl, T = packed(lens, device)
@@ -178,7 +178,7 @@ def test_selective_scan_bad_offsets_are_value_errors(impl, offsets):
 
 @gpu_only
 @pytest.mark.parametrize("impl", ["triton", "triton-chunked", "triton-sequential"])
-def test_selective_scan_130m_shapes_gpu(impl, backend_of, poison_empty):
+def test_selective_scan_130m_shapes_gpu(impl, backend_of):
     """mamba-130m's layer (d_inner 1,536, d_state 16): a 1,000-token prompt beside 64 decodes, bf16."""
     backend_of(impl)
     lens = [1] * 64 + [1000, 37]

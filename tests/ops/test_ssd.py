@@ -9,7 +9,7 @@ from mambaserve import ops
 from mambaserve.ops import reference as ref
 from mambaserve.ops import ssd, varlen
 from tests.conftest import rel_err, tolerance
-from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, poison_empty, random_slots  # noqa: F401
+from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, random_slots
 
 
 def _inputs(T, H, P, G, N, dtype, device):
@@ -52,7 +52,7 @@ def _poison_fresh_slots(states, idx, has):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ngroups", [1, 3])
-def test_ssd_chunk_scan_mixed_batch(device, dtype, ngroups, poison_empty):
+def test_ssd_chunk_scan_mixed_batch(device, dtype, ngroups):
     H, P, N, Q, num_slots = 3, 24, 16, 8, 16
     # lengths 1, 2, 3, Q - 1, Q, Q + 1, several chunks, then one-token decodes
     lens = [1, 2, 3, Q - 1, Q, Q + 1, 3 * Q + 5, 1, 1, 1]
@@ -73,7 +73,7 @@ def test_ssd_chunk_scan_mixed_batch(device, dtype, ngroups, poison_empty):
 @pytest.mark.parametrize(
     "dtype,pool_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)]
 )
-def test_ssd_chunk_scan_options(device, dtype, pool_dtype, poison_empty):
+def test_ssd_chunk_scan_options(device, dtype, pool_dtype):
     """Low-precision state pools; no D, z, dt_bias or softplus (first case) and a chunk size
     that is not a power of two (second case)."""
     H, P, N, G, num_slots = 4, 16, 32, 2, 6
@@ -98,7 +98,7 @@ def test_ssd_chunk_scan_options(device, dtype, pool_dtype, poison_empty):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,fp32_intermediates", [(torch.float32, True), (torch.bfloat16, True),
                                                       (torch.bfloat16, False)])
-def test_ssd_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates, poison_empty, monkeypatch):
+def test_ssd_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates, monkeypatch):
     """Blocks smaller than the chunk (as at chunk 256 on the GPU): several row blocks per chunk
     in every kernel, blocks wholly below the diagonal, dstate split in the C B^T kernel and
     several state blocks per head in the state passing; C B^T and the chunk states stored in
@@ -173,7 +173,7 @@ def test_ssd_chunk_scan_long_prompt_gpu(poison_empty):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk_size", [16, 64])
-def test_ssd_chunk_scan_final_states_at_strong_decay(device, chunk_size, poison_empty):
+def test_ssd_chunk_scan_final_states_at_strong_decay(device, chunk_size):
     """dt' A of -1e3..-1e4 per token: the in-chunk cumsum reaches -1e5 and more, where one
     float32 ulp is 1e-2. Every chunk state is sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T, so
     cs_end must be the cumsum of the chunk's last row itself: a chunk total summed in another

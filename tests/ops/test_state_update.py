@@ -8,7 +8,7 @@ import torch
 from mambaserve import ops
 from mambaserve.ops import reference as ref
 from tests.conftest import rel_err, tolerance
-from tests.ops.kernel_helpers import DEVICES, gpu_only, poison_empty, random_slots  # noqa: F401
+from tests.ops.kernel_helpers import DEVICES, gpu_only, random_slots
 
 
 def _check(states, x, dt, A, B, C, D, z, dt_bias, idx, **kw):
@@ -38,7 +38,7 @@ def _inputs(batch, H, P, G, N, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ngroups", [1, 3])
-def test_ssd_state_update(device, dtype, ngroups, poison_empty):
+def test_ssd_state_update(device, dtype, ngroups):
     batch, H, P, N, num_slots = 7, 3, 24, 16, 12  # headdim 24: a partial block of rows
     idx = random_slots(batch, num_slots, padding=[0, 4], device=device)
     x, dt, B, C, z = _inputs(batch, H, P, ngroups, N, dtype, device)
@@ -51,7 +51,7 @@ def test_ssd_state_update(device, dtype, ngroups, poison_empty):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
-def test_ssd_state_update_low_precision_pool(device, pool_dtype, poison_empty):
+def test_ssd_state_update_low_precision_pool(device, pool_dtype):
     """bfloat16 / float16 pools; no D, z, dt_bias or softplus."""
     batch, H, P, N, num_slots = 5, 4, 16, 32, 9
     idx = random_slots(batch, num_slots, padding=[3], device=device)
