@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None, net=None) -> int:
             rec = {"dataset": args.dataset, **hf_throughput(net, requests, args, device, tokenizer)}
             print_throughput(rec)
             if rec["truncated"]:
-                print(f"(stopped after --max-seconds: {rec['num_requests']} of {rec['num_requests_planned']} requests done)")
+                print(f"(stopped after --max-seconds: {rec['num_requests']} of {rec['num_requests_planned']} "
+                      "requests done)")
         record.update(rec)
     except torch.cuda.OutOfMemoryError as e:
         print(f"out of memory: {e}", file=sys.stderr)

@@ -44,8 +44,8 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -172,7 +172,6 @@ def copy_bandwidth_gbs() -> float:
             dst.copy_(src)
         torch.cuda.synchronize()
     us = gpu_time_us(lambda: dst.copy_(src), replays=30, flush=False)
-    del src, dst
     return 2 * 2**30 / (us * 1e-6) / 1e9
 
 
@@ -344,7 +343,8 @@ class Mamba1Layer:
         for n in lens:
             qsl.append(qsl[-1] + n)
         self.qsl = torch.tensor(qsl, dtype=torch.int32, device=DEV)
-        self.idx = torch.randperm(batch + 8, generator=torch.Generator().manual_seed(seed))[:batch].to(torch.int32).to(DEV)
+        self.idx = torch.randperm(batch + 8,
+                                  generator=torch.Generator().manual_seed(seed))[:batch].to(torch.int32).to(DEV)
         self.has = torch.tensor(has_init, device=DEV)
         xz = torch.randn(T, 2 * M1_D_INNER, device=DEV, generator=g).to(BF16)
         self.x, self.z = xz[:, :M1_D_INNER], xz[:, M1_D_INNER:]
@@ -373,7 +373,8 @@ def mamba1_cases() -> list[Case]:
     cases = []
     for name, (lens, has) in M1_BATCHES.items():
         layer = Mamba1Layer(lens, has)
-        cases.append(Case(f"selective_scan {name}", "mamba1", layer.scan, layer.bytes, 9 * layer.T * M1_D_INNER * M1_DSTATE,
+        cases.append(Case(f"selective_scan {name}", "mamba1", layer.scan, layer.bytes,
+                          9 * layer.T * M1_D_INNER * M1_DSTATE,
                           note="token-sequential per (sequence, channel block): latency-bound on long prompts"))
     for batch in (1, 64, 256):
         layer = Mamba1Layer([1] * batch, [True] * batch)
@@ -522,12 +523,15 @@ def main() -> None:
         return (f % v) if isinstance(v, (int, float)) and not math.isnan(v) else "-"
 
     def line(row, bw):
-        frac = lambda us: 100 * row["bytes"] / (us * 1e-6) / 1e9 / bw if isinstance(us, float) and us > 0 else None
+        def frac(us):
+            return 100 * row["bytes"] / (us * 1e-6) / 1e9 / bw if isinstance(us, float) and us > 0 else None
+
         return (f"{row['name']:40s} {fmt(row.get('gpu_us'), '%8.1f'):>8s} {fmt(row.get('kernel_us'), '%8.1f'):>8s} "
                 f"{fmt(row.get('host_us'), '%7.1f'):>7s} {row['bytes'] / 1e6:8.1f} "
                 f"{fmt(frac(row.get('gpu_us')), '%4.0f'):>4s} {fmt(frac(row.get('kernel_us')), '%4.0f'):>4s} "
                 f"{fmt(row.get('TFLOPs'), '%6.1f'):>6s} {fmt(row.get('target_us'), '%7.1f'):>7s} "
-                f"{fmt(row.get('baseline_us'), '%7.1f'):>7s}" + (f"  ERROR {row['error'][:200]}" if "error" in row else ""))
+                f"{fmt(row.get('baseline_us'), '%7.1f'):>7s}"
+                + (f"  ERROR {row['error'][:200]}" if "error" in row else ""))
 
     header = (f"{'case':40s} {'graph us':>8s} {'kern us':>8s} {'host us':>7s} {'MB':>8s} {'%bw':>4s} {'%bwk':>4s} "
               f"{'TFLOP/s':>6s} {'target':>7s} {'vLLM':>7s}")

@@ -31,9 +31,15 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mambaserve.ops import attention as attention_mod  # noqa: E402
-from mambaserve.ops import fused_moe, paged_attention, plan_paged_attention, reshape_and_cache  # noqa: E402
+from mambaserve.ops import (  # noqa: E402
+    fused_moe,
+    paged_attention,
+    plan_paged_attention,
+    reshape_and_cache,
+    router_topk,
+    topk_softmax,
+)
 from mambaserve.ops import moe as moe_mod  # noqa: E402
-from mambaserve.ops import router_topk, topk_softmax  # noqa: E402
 from mambaserve.ops.moe import _HAS_GROUPED_MM  # noqa: E402
 from mambaserve.ops.varlen import check_offsets  # noqa: E402
 
@@ -53,7 +59,6 @@ def measure_ceilings() -> dict:
     a = torch.randn(8192, 8192, device=DEV, dtype=DT)
     b = torch.randn(8192, 8192, device=DEV, dtype=DT)
     t_mm = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=300, return_mode="median")
-    del src, dst, a, b
     return {"copy_GBps": 2 * n / t_copy / 1e6, "bf16_mm_TFLOPs": 2 * 8192**3 / t_mm / 1e9}
 
 
@@ -150,7 +155,7 @@ def bench_attention_configs(name, specs, ceil, configs):
         try:
             out = paged_attention(q, kc, vc, table, sl, qsl, SCALE, plan)
             err = float((out.float() - base.float()).norm() / base.float().norm())
-            t = bench(lambda: paged_attention(q, kc, vc, table, sl, qsl, SCALE, plan, out=out))
+            t = bench(lambda out=out: paged_attention(q, kc, vc, table, sl, qsl, SCALE, plan, out=out))
             rows.append({"case": name, "variant": f"BLOCK_N,warps,stages={cfg}", "flops": flops, "bytes": nbytes,
                          "floor_ms": floor, "bound": bound, "eager_ms": t, "eager_fraction_of_floor": floor / t,
                          "TFLOPs": flops / t / 1e9, "rel_diff_vs_default": err})
@@ -168,7 +173,7 @@ def bench_attention(name, specs, ceil, copies, graph: bool, extra_splits=()):
         plan = attention_plan(table, sl, qsl, num_splits=forced)
         outs = [torch.empty_like(s[0]) for s in sets]
         calls = [
-            (lambda s=s, o=o: paged_attention(s[0], s[1], s[2], table, sl, qsl, SCALE, plan, out=o))
+            (lambda s=s, o=o, plan=plan: paged_attention(s[0], s[1], s[2], table, sl, qsl, SCALE, plan, out=o))
             for s, o in zip(sets, outs)
         ]
         t_eager = bench(calls[0])
@@ -325,14 +330,16 @@ def main() -> None:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)
-    print(f"\n{'case':34s} {'variant':24s} {'floor ms':>9s} {'eager ms':>9s} {'frac':>5s} {'graph ms':>9s} {'frac':>5s}")
+    print(f"\n{'case':34s} {'variant':24s} {'floor ms':>9s} {'eager ms':>9s} {'frac':>5s} {'graph ms':>9s} "
+          f"{'frac':>5s}")
     for r in result["rows"]:
         if "floor_ms" not in r:
             print(r)
             continue
         g = r.get("graph_ms")
         print(f"{r['case']:34s} {r.get('variant', ''):24s} {r['floor_ms']:9.4f} {r['eager_ms']:9.4f} "
-              f"{r['eager_fraction_of_floor']:5.2f} " + (f"{g:9.4f} {r['graph_fraction_of_floor']:5.2f}" if g else "") + f" ({r['bound']})")
+              f"{r['eager_fraction_of_floor']:5.2f} "
+              + (f"{g:9.4f} {r['graph_fraction_of_floor']:5.2f}" if g else "") + f" ({r['bound']})")
 
 
 if __name__ == "__main__":

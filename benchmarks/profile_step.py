@@ -40,7 +40,7 @@ def _kernels(prof) -> dict[str, list[float]]:
         if ev.device_type.name != "CUDA":
             continue
         name = ev.name
-        if name.startswith("Memcpy") or name.startswith("Memset"):
+        if name.startswith(("Memcpy", "Memset")):
             name = name.split(" ")[0]
         out[name][0] += 1
         out[name][1] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
@@ -94,8 +94,10 @@ def _host_summary(prof, steps: int) -> dict:
             target = waits
         target[name][0] += ev.count
         target[name][1] += ev.self_cpu_time_total
-    rows = lambda d, n: [{"name": k[:120], "count_per_step": c / steps, "self_us_per_step": t / steps}
-                         for k, (c, t) in sorted(d.items(), key=lambda kv: -kv[1][1])[:n]]
+    def rows(d, n):
+        return [{"name": k[:120], "count_per_step": c / steps, "self_us_per_step": t / steps}
+                for k, (c, t) in sorted(d.items(), key=lambda kv: -kv[1][1])[:n]]
+
     return {"waits": rows(waits, 8), "cuda_api": rows(api, 8), "host_ops": rows(ops, 25)}
 
 
@@ -162,7 +164,8 @@ def profile_mode(model: str, mode: str, args) -> dict:
     from mambaserve.benchmarks.datasets import random_token_ids
 
     kw = dict(load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              max_model_len=max(args.input_len, 64 + 3 * args.decode_steps) + args.decode_steps + 16, gpu_memory_utilization=args.share,
+              max_model_len=max(args.input_len, 64 + 3 * args.decode_steps) + args.decode_steps + 16,
+              gpu_memory_utilization=args.share,
               max_num_seqs=max(args.batch_size, args.mixed_decodes + args.decode_steps + 2, 8))
     if mode == "eager":
         kw["enforce_eager"] = True
@@ -191,7 +194,8 @@ def profile_mode(model: str, mode: str, args) -> dict:
             print(f"    step kinds: {s['step_kinds']}")
             for key in ("waits", "cuda_api", "host_ops"):
                 for row in s[key][:12]:
-                    print(f"    host {key:8s} {row['self_us_per_step']:9.1f} us  x{row['count_per_step']:7.1f}  {row['name'][:100]}")
+                    print(f"    host {key:8s} {row['self_us_per_step']:9.1f} us  x{row['count_per_step']:7.1f}  "
+                          f"{row['name'][:100]}")
             for row in s["python_cumulative"]:
                 print(f"    python cum {row['cum_us_per_step']:9.1f} us self {row['self_us_per_step']:8.1f} us "
                       f"x{row['calls_per_step']:7.1f}  {row['function'][:90]}")
@@ -216,7 +220,8 @@ def main() -> int:
     import torch
 
     model = args.model if os.path.exists(args.model) else str(REPO / "benchmarks" / "configs" / f"{args.model}.json")
-    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model, "input_len": args.input_len,
+    result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model,
+              "input_len": args.input_len,
               "batch_size": args.batch_size, "decode_steps": args.decode_steps, "modes": {}}
     for mode in args.modes.split(","):
         result["modes"][mode] = profile_mode(model, mode, args)

@@ -79,10 +79,11 @@ class EngineConfig:
     "bfloat16", "float16". device: "auto" (CUDA when present), "cuda", "cpu".
     max_model_len: longest prompt + output in tokens (default: the model's limit, clamped to
     what the cache can hold). max_num_seqs: most running requests (default: 1,024 on GPUs of 70 GiB
-    or more, else 256; clamped to the state slots that fit). max_num_batched_tokens: token budget of one step (default 8192 on GPU, 2048 on
-    CPU). block_size: tokens per KV block. gpu_memory_utilization: fraction of GPU memory the
-    engine may use in all (weights, activations, caches). cpu_cache_bytes: byte budget of the
-    caches on the CPU. num_kv_blocks / num_state_slots: force the pool sizes (tests).
+    or more, else 256; clamped to the state slots that fit). max_num_batched_tokens: token budget
+    of one step (default 8192 on GPU, 2048 on CPU). block_size: tokens per KV block.
+    gpu_memory_utilization: fraction of GPU memory the engine may use in all (weights,
+    activations, caches). cpu_cache_bytes: byte budget of the caches on the CPU.
+    num_kv_blocks / num_state_slots: force the pool sizes (tests).
     mamba_ssm_cache_dtype: dtype of the SSM state. "auto" (default, as in vLLM): the model
     family's own default where it declares one (float32 for Nemotron-H), else the model dtype;
     "float32" keeps the state exact to the kernels' float32 accumulation at twice the bytes
@@ -156,7 +157,8 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"mamba_ssm_cache_dtype must be auto/float32/bfloat16/float16, got {self.mamba_ssm_cache_dtype!r}")
+            raise ValueError("mamba_ssm_cache_dtype must be auto/float32/bfloat16/float16, got "
+                             f"{self.mamba_ssm_cache_dtype!r}")
         if self.compilation_mode is not None and self.compilation_mode not in COMPILATION_MODES:
             raise ValueError(f"compilation_mode must be one of {COMPILATION_MODES}, got {self.compilation_mode!r}")
         for name in ("num_kv_blocks", "num_state_slots"):

@@ -6,7 +6,7 @@ order. Same loop as the server and the benchmarks.
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from mambaserve.chat import render_chat
 from mambaserve.config import EngineConfig
@@ -30,7 +30,7 @@ class LLM:
         self.llm_engine = LLMEngine(EngineConfig(**kwargs))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_config(cls, config: EngineConfig) -> LLM:
         """An LLM over an already validated EngineConfig (used by the CLI)."""
         llm = cls.__new__(cls)
         llm.llm_engine = LLMEngine(config)
@@ -57,8 +57,9 @@ class LLM:
         conversations. Each is rendered with the model's chat template (`mambaserve.chat.render_chat`,
         the same text as the server's /v1/chat/completions) and tokenized without adding special
         tokens again; tools (OpenAI tool definitions) and documents go to the template. To make
-        the reply a call, constrain it with `SamplingParams(structured_outputs=...)`. The other arguments are as in `generate` and `render_chat`. Returns one
-        RequestOutput per conversation, in input order, whose `prompt` is the rendered text.
+        the reply a call, constrain it with `SamplingParams(structured_outputs=...)`. The other
+        arguments are as in `generate` and `render_chat`. Returns one RequestOutput per
+        conversation, in input order, whose `prompt` is the rendered text.
         Raises ValueError for a bad conversation (nothing is queued then), as `render_chat` does.
         """
         if not isinstance(messages, list) or not messages:

@@ -125,7 +125,8 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
                 if (tied and name == "lm_head.weight") or (ignored and name.startswith(ignored)):
                     continue
                 if name not in params:
-                    raise ValueError(f"unexpected tensor {name!r} in {file.name}: no such parameter in {type(model).__name__}")
+                    raise ValueError(f"unexpected tensor {name!r} in {file.name}: no such parameter in "
+                                     f"{type(model).__name__}")
                 p = params[name]
                 if name in shards:
                     try:
@@ -136,12 +137,14 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
                     continue
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(p.shape):
-                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in {file.name}, expected {tuple(p.shape)}")
+                    raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)} in {file.name}, expected "
+                                     f"{tuple(p.shape)}")
                 p.copy_(tensor.to(p.dtype))
                 loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks tensors: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        raise ValueError(f"checkpoint {model_dir} lacks tensors: "
+                         f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
 
 
 def load_model(

@@ -179,10 +179,12 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
-            raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {self.logit_bias!r:.80}")
+            raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got "
+                             f"{self.logit_bias!r:.80}")
         if self.allowed_token_ids is not None:
             if isinstance(self.allowed_token_ids, (str, bytes)) or not hasattr(self.allowed_token_ids, "__iter__"):
-                raise ValueError(f"SamplingParams.allowed_token_ids must be a list of token ids, got {self.allowed_token_ids!r:.80}")
+                raise ValueError("SamplingParams.allowed_token_ids must be a list of token ids, got "
+                                 f"{self.allowed_token_ids!r:.80}")
             self.allowed_token_ids = list(self.allowed_token_ids)
         self._validate()
         if self.logit_bias:

@@ -14,7 +14,8 @@ def test_vllm_options_at_their_supported_values_are_accepted():
     assert c.trust_remote_code and c.max_num_seqs == 4
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = parser.parse_args(["-tp", "1", "--trust-remote-code", "--no-enable-prefix-caching", "--kv-cache-dtype", "auto"])
+    args = parser.parse_args(["-tp", "1", "--trust-remote-code", "--no-enable-prefix-caching", "--kv-cache-dtype",
+                              "auto"])
     c = engine_config_from_args(args)
     assert c.tensor_parallel_size == 1 and c.trust_remote_code and c.enable_prefix_caching is False
 

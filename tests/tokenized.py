@@ -147,7 +147,7 @@ def build_tokenizer(vocab_size: int, kind: str = "byte-bpe"):
     return fast
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenized_checkpoint(name: str = "granite-moe", kind: str = "byte-bpe") -> str:
     """Path of a copy of the tiny checkpoint `name` with a tokenizer of `kind` saved in it (built
     once per test session)."""

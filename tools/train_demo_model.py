@@ -436,8 +436,8 @@ be Python-flavoured noise.
   {info['train_tokens'] / 1e6:.2f} M tokens. Files are joined with `<|endoftext|>` and trained on as
   random windows of {info['seq_len']} tokens.
 - {info['steps']} steps of AdamW (peak learning rate {info['lr']}, weight decay 0.1, betas
-  (0.9, 0.95), {info['warmup']} warm-up steps then cosine to 10%{cut}), batch {info['batch']} x {info['seq_len']} tokens:
-  {info['tokens_seen'] / 1e6:.1f} M tokens seen ({info['epochs']:.1f} passes over the corpus).
+  (0.9, 0.95), {info['warmup']} warm-up steps then cosine to 10%{cut}), batch {info['batch']} x
+  {info['seq_len']} tokens: {info['tokens_seen'] / 1e6:.1f} M tokens seen ({info['epochs']:.1f} passes over the corpus).
   Router load-balancing loss with coefficient {info['aux_coef']}; dropout {info['dropout']} on the
   embeddings and on every mixer and MLP output (training only). The weights kept are those of step
   {info['best_step']}, the lowest loss ({info['valid_loss']:.3f}) on the validation files {valid}
@@ -468,7 +468,8 @@ From the mambaserve repository root, on a machine with the same Python version (
 result matches closely but not bit for bit):
 
 ```
-python tools/train_demo_model.py --device cuda --steps {info['planned_steps']} --warmup {info['warmup']} --seed {info['seed']} --out mambaserve/assets/demo-model
+python tools/train_demo_model.py --device cuda --steps {info['planned_steps']} --warmup {info['warmup']} \\
+    --seed {info['seed']} --out mambaserve/assets/demo-model
 ```
 """
     path.write_text(text, encoding="utf-8")
@@ -595,7 +596,8 @@ def train(model, args, train_stream, valid_stream, device: str) -> dict:
     if on_cuda:
         torch.cuda.synchronize()
     usage = (balance.usage / step / len(balance.moe_blocks)).tolist()
-    return dict(steps=step, planned_steps=total_steps or step, losses=losses, seconds=time.time() - t_train - paused, best=best, usage=usage)
+    return dict(steps=step, planned_steps=total_steps or step, losses=losses, seconds=time.time() - t_train - paused,
+                best=best, usage=usage)
 
 
 def main() -> None:
@@ -678,7 +680,8 @@ def main() -> None:
         residual_multiplier=config.residual_multiplier, logits_scaling=config.logits_scaling,
         vocab_size=len(tokenizer), eos_id=tokenizer.eos_token_id,
         python=platform.python_version(), stdlib=root, train_files=len(splits["train"]),
-        train_tokens=len(streams["train"]), seq_len=args.seq_len, steps=steps, planned_steps=run["planned_steps"], lr=args.lr, warmup=args.warmup,
+        train_tokens=len(streams["train"]), seq_len=args.seq_len, steps=steps, planned_steps=run["planned_steps"],
+        lr=args.lr, warmup=args.warmup,
         batch=args.batch_size, tokens_seen=tokens_seen, epochs=tokens_seen / len(streams["train"]),
         aux_coef=args.aux_loss_coef, dropout=args.dropout, train_seconds=run["seconds"], device_name=device_name,
         autocast=on_cuda, seed=args.seed, torch=torch.__version__, transformers=transformers.__version__,

@@ -98,7 +98,8 @@ def synthetic_requests(num: int, vocab_size: int, seed: int = 0, output_len: int
             for i, o in sharegpt_synthetic_lengths(num, seed)]
 
 
-def sharegpt_requests(path: str, num: int, tokenizer, seed: int = 0, output_len: int | None = None) -> list[BenchRequest]:
+def sharegpt_requests(path: str, num: int, tokenizer, seed: int = 0,
+                      output_len: int | None = None) -> list[BenchRequest]:
     """`num` requests from a ShareGPT-format JSON file (a list of {"conversations": [{"from":
     "human", "value": ...}, {"from": "gpt", "value": ...}, ...]}), shuffled with `seed`. The
     prompt is the first human turn (kept as text), the output length the token count of the gpt
@@ -116,7 +117,8 @@ def sharegpt_requests(path: str, num: int, tokenizer, seed: int = 0, output_len:
     for prompt, reply in pairs:
         p_len = len(tokenizer(prompt)["input_ids"])
         o_len = output_len or len(tokenizer(reply)["input_ids"])
-        if p_len < MIN_LEN or o_len < MIN_LEN or p_len > MAX_PROMPT_LEN or (output_len is None and p_len + o_len > MAX_TOTAL_LEN):
+        too_long = p_len > MAX_PROMPT_LEN or (output_len is None and p_len + o_len > MAX_TOTAL_LEN)
+        if p_len < MIN_LEN or o_len < MIN_LEN or too_long:
             continue
         out.append(BenchRequest(prompt, p_len, o_len))
         if len(out) == num:
@@ -147,5 +149,6 @@ def build_requests(dataset: str, num_prompts: int, *, vocab_size: int, tokenizer
     if dataset == SYNTHETIC:
         return synthetic_requests(num_prompts, vocab_size, seed, output_len)
     if tokenizer is None:
-        raise ValueError("a ShareGPT dataset file needs a tokenizer: pass --tokenizer (a directory with tokenizer files)")
+        raise ValueError("a ShareGPT dataset file needs a tokenizer: pass --tokenizer (a directory with tokenizer "
+                         "files)")
     return sharegpt_requests(dataset, num_prompts, tokenizer, seed, output_len)

@@ -14,8 +14,16 @@ import argparse
 import sys
 import time
 
-from mambaserve.benchmarks.common import (PERCENTILES, args_record, engine_record, environment_info, memory_record,
-                                          percentiles, resolve_skip_tokenizer, write_json)
+from mambaserve.benchmarks.common import (
+    PERCENTILES,
+    args_record,
+    engine_record,
+    environment_info,
+    memory_record,
+    percentiles,
+    resolve_skip_tokenizer,
+    write_json,
+)
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 
 

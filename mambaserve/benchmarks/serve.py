@@ -26,7 +26,8 @@ from mambaserve.benchmarks.throughput import add_dataset_args
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `bench serve` (vLLM's `bench serve` names)."""
-    parser.add_argument("--base-url", default=None, help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
+    parser.add_argument("--base-url", default=None,
+                        help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--endpoint", default="/v1/completions")
@@ -34,17 +35,21 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="model name sent in requests (default: the first of GET /v1/models); a local checkpoint "
                              "or config path also gives the vocabulary size and tokenizer")
     parser.add_argument("--served-model-name", default=None, help="name sent in requests when it differs from --model")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory: for a ShareGPT file and for counting tokens")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory: for a ShareGPT file and for counting tokens")
     parser.add_argument("--vocab-size", type=int, default=None,
-                        help="random token ids are drawn below this (default: the tokenizer's size, or the vocab_size of "
-                             "--model, or of the server's model root, when it is a local checkpoint or config; else 10000)")
+                        help="random token ids are drawn below this (default: the tokenizer's size, or the "
+                             "vocab_size of --model, or of the server's model root, when it is a local checkpoint or "
+                             "config; else 10000)")
     add_dataset_args(parser)
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf sends all at once")
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests/s (Poisson); inf sends all at once")
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (1 = Poisson)")
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (a vLLM extension) so outputs reach max_tokens")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="send ignore_eos (a vLLM extension) so outputs reach max_tokens")
     parser.add_argument("--request-timeout", type=float, default=6 * 3600, help="seconds before a request is abandoned")
     parser.add_argument("--output-json", default=None, help="write the results record here")
     parser.add_argument("--save-detailed", action="store_true", help="also record every request's lengths and timings")

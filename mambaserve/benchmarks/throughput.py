@@ -13,8 +13,14 @@ import argparse
 import dataclasses
 import time
 
-from mambaserve.benchmarks.common import (args_record, engine_record, environment_info, memory_record,
-                                          resolve_skip_tokenizer, write_json)
+from mambaserve.benchmarks.common import (
+    args_record,
+    engine_record,
+    environment_info,
+    memory_record,
+    resolve_skip_tokenizer,
+    write_json,
+)
 from mambaserve.benchmarks.datasets import RANDOM, SYNTHETIC, BenchRequest, build_requests
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 
@@ -23,7 +29,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     """--dataset and its companions (shared by `bench throughput` and `bench serve`)."""
     parser.add_argument("--dataset", default=SYNTHETIC,
                         help=f"'{SYNTHETIC}' (built-in ShareGPT-shaped lengths, random token ids; default), "
-                             f"'{RANDOM}' (random token ids of --input-len/--output-len), or a ShareGPT-format JSON file")
+                             f"'{RANDOM}' (random token ids of --input-len/--output-len), or a ShareGPT-format JSON "
+                             "file")
     parser.add_argument("--num-prompts", type=int, default=1000, help="requests in the run")
     parser.add_argument("--input-len", type=int, default=1024, help="prompt length of --dataset random")
     parser.add_argument("--output-len", type=int, default=None,
@@ -95,7 +102,8 @@ def print_throughput(rec: dict) -> None:
     print(f"Total num output tokens:  {rec['total_output_tokens']}")
     for kind, b in rec.get("step_breakdown", {}).items():
         print(f"  steps {kind:24s} {b['steps']:6d} steps {b['seconds']:8.2f} s {b['tokens']:9d} tokens "
-              f"({1000 * b['seconds'] / max(b['steps'], 1):.2f} ms a step, longest {1000 * b['max_step_seconds']:.1f} ms)")
+              f"({1000 * b['seconds'] / max(b['steps'], 1):.2f} ms a step, longest "
+              f"{1000 * b['max_step_seconds']:.1f} ms)")
 
 
 def main(args: argparse.Namespace, llm=None) -> int:

@@ -4,10 +4,22 @@
 Beneath layers/, models/ and engine/: it imports none of them.
 """
 
-from mambaserve.distributed.communication import (all_gather, all_reduce, broadcast, broadcast_object, host_barrier,
-                                                  min_over_ranks)
-from mambaserve.distributed.parallel_state import (SINGLE, TensorParallelGroup, building_with, current_group,
-                                                   destroy_tensor_parallel, init_tensor_parallel)
+from mambaserve.distributed.communication import (
+    all_gather,
+    all_reduce,
+    broadcast,
+    broadcast_object,
+    host_barrier,
+    min_over_ranks,
+)
+from mambaserve.distributed.parallel_state import (
+    SINGLE,
+    TensorParallelGroup,
+    building_with,
+    current_group,
+    destroy_tensor_parallel,
+    init_tensor_parallel,
+)
 
 __all__ = [
     "SINGLE",

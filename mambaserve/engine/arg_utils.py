@@ -16,7 +16,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the "engine" argument group: one flag per EngineConfig field a user sets."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=default_model(),
-                   help="checkpoint directory, or a config .json with --load-format dummy (default: the bundled demo model)")
+                   help="checkpoint directory, or a config .json with --load-format dummy (default: the bundled "
+                        "demo model)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])

@@ -29,7 +29,7 @@ class DecodeState:
     context: list[int] = field(default_factory=list)  # the prompt's last ids, decoded before the output
 
     @classmethod
-    def after_prompt(cls, prompt_token_ids: list[int]) -> "DecodeState":
+    def after_prompt(cls, prompt_token_ids: list[int]) -> DecodeState:
         """The state of a sequence that continues `prompt_token_ids` (nothing decoded yet)."""
         context = list(prompt_token_ids[-_CONTEXT:])
         return cls(prefix_offset=0, read_offset=len(context), context=context)

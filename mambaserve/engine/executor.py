@@ -33,8 +33,13 @@ import torch.distributed as dist
 
 from mambaserve.config import EngineConfig
 from mambaserve.distributed import TensorParallelGroup, broadcast_object, destroy_tensor_parallel, init_tensor_parallel
-from mambaserve.distributed.launch import (Rendezvous, WorkerProcesses, exit_with_parent, free_local_port,
-                                           rendezvous_from_env)
+from mambaserve.distributed.launch import (
+    Rendezvous,
+    WorkerProcesses,
+    exit_with_parent,
+    free_local_port,
+    rendezvous_from_env,
+)
 from mambaserve.distributed.parallel_state import set_nccl_env_defaults
 from mambaserve.engine.step_input import receive, share
 from mambaserve.loader import check_tensor_parallel
@@ -208,4 +213,3 @@ def main(argv: list[str] | None = None) -> None:
         serve(group)
     finally:
         destroy_tensor_parallel()
-

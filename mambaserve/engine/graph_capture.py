@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

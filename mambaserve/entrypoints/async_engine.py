@@ -63,7 +63,7 @@ class RequestStream:
     (then the requests are aborted). `abort()` (idempotent, from the event loop) aborts whatever
     has not finished."""
 
-    def __init__(self, engine: "AsyncEngine", request_ids: list[str], max_backlog_tokens: int | None = None):
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], max_backlog_tokens: int | None = None):
         self._engine = engine
         self.request_ids = request_ids
         self.max_backlog_tokens = max_backlog_tokens
@@ -104,7 +104,7 @@ class RequestStream:
                 self._latest.clear()
         self._wakeup.set()
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
@@ -320,7 +320,7 @@ class AsyncEngine:
                 del self._live[out.request_id]
             self._deliver(stream, (index, _snapshot(out)))
 
-    def _observe(self, timing: "_Timing", out: RequestOutput, now: float) -> None:
+    def _observe(self, timing: _Timing, out: RequestOutput, now: float) -> None:
         if self.metrics is None:
             return
         num = sum(len(c.token_ids) for c in out.outputs)

@@ -28,19 +28,41 @@ import re
 import threading
 import time
 import uuid
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from mambaserve.chat import render_chat
 from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput, RequestStream
 from mambaserve.entrypoints.constraints import ConstraintError, structured_outputs_of
-from mambaserve.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                             ChatCompletionResponse, ChatLogProbs, ChatResponseMessage,
-                                             ChatStreamChoice, ChatTokenLogprob, CompletionChoice, CompletionLogProbs,
-                                             CompletionRequest, CompletionResponse, DeltaFunctionCall, DeltaMessage,
-                                             DeltaToolCall, DetokenizeRequest, DetokenizeResponse, ErrorInfo,
-                                             ErrorResponse, FunctionCall, NamedToolChoice, PromptLogprob,
-                                             SamplingRequest, TokenizeRequest, TokenizeResponse, ToolCall, TopLogprob,
-                                             UsageInfo)
+from mambaserve.entrypoints.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProbs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    FunctionCall,
+    NamedToolChoice,
+    PromptLogprob,
+    SamplingRequest,
+    TokenizeRequest,
+    TokenizeResponse,
+    ToolCall,
+    TopLogprob,
+    UsageInfo,
+)
 from mambaserve.entrypoints.tool_parsers import ToolCallParser, ToolCallStream, new_call_id
 from mambaserve.outputs import CompletionOutput, RequestOutput
 from mambaserve.sampling_params import Logprob, SamplingParams
@@ -166,7 +188,7 @@ def _prompt_logprobs(out: RequestOutput, num_top: int) -> list:
             for tok, d in zip(out.prompt_token_ids, entries)]
 
 
-def _tool_calls(job: "_Job", text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+def _tool_calls(job: _Job, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
     """(content, tool calls, finish reason) of a whole chat reply: "tool_calls" when the reply
     made calls and ended by itself."""
     if job.tools is None:
@@ -217,7 +239,7 @@ class OpenAIServing:
     async def _in_lane(self, lane: str, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._lanes[lane], fn, *args)
 
-    async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> "_Job":
+    async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> _Job:
         """`prepare_completion` or `prepare_chat` of `req`, in a tokenizing thread: the large-prompt
         lane when its text is over LARGE_PROMPT_CHARS characters."""
         fn = self.prepare_chat if isinstance(req, ChatCompletionRequest) else self.prepare_completion
@@ -285,7 +307,8 @@ class OpenAIServing:
             try:
                 logit_bias = {int(t): b for t, b in req.logit_bias.items()}
             except ValueError:
-                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -625,4 +648,3 @@ class OpenAIServing:
         finally:
             stream.abort()
         yield _DONE
-

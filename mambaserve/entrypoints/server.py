@@ -1,7 +1,8 @@
 """`mambaserve serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus), and vLLM's POST /tokenize, POST /detokenize, GET /version. Streaming is server-sent events ending with `data: [DONE]`.
+GET /metrics (Prometheus), and vLLM's POST /tokenize, POST /detokenize, GET /version.
+Streaming is server-sent events ending with `data: [DONE]`.
 
 Every error is OpenAI's {"error": {"message", "type", "param", "code"}}, also those answered
 below the app (`http_protocol`): 400 for invalid parameters, wrong JSON types, malformed JSON or
@@ -34,7 +35,7 @@ import json
 import logging
 import os
 import socket
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -49,8 +50,14 @@ from mambaserve.entrypoints.constraints import parse_config
 from mambaserve.entrypoints.http_protocol import DEFAULT_HEADER_TIMEOUT, JsonErrorH11Protocol
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
-from mambaserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ModelCard,
-                                             ModelList, TokenizeRequest)
+from mambaserve.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from mambaserve.entrypoints.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger("mambaserve.server")

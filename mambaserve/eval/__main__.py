@@ -4,8 +4,9 @@ ARGS are lm_eval's own, e.g. `--model mambaserve --model_args pretrained=DIR,dty
 --tasks gsm8k --num_fewshot 5 --batch_size auto`.
 """
 
-import mambaserve.eval  # noqa: F401  (registers the model)
 from lm_eval.__main__ import cli_evaluate
+
+import mambaserve.eval  # noqa: F401  (registers the model)
 
 if __name__ == "__main__":
     cli_evaluate()

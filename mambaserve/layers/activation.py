@@ -6,7 +6,7 @@ names our model families use are listed; any other name is a ValueError naming t
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,4 +37,5 @@ def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; expected one of {', '.join(sorted(_ACTIVATIONS))}") from None
+        expected = ", ".join(sorted(_ACTIVATIONS))
+        raise ValueError(f"unsupported activation {name!r}; expected one of {expected}") from None

@@ -12,7 +12,7 @@ This module knows nothing about the engine beyond that one hook.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

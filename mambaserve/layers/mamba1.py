@@ -15,8 +15,9 @@ and the varlen scan, whose decode rows are sequences of length 1. The state-depe
 
 Parameter names and shapes follow the Hugging Face checkpoints (`in_proj`, `conv1d.weight`
 (d_inner, 1, width), `conv1d.bias`, `x_proj`, `dt_proj` (with bias), `A_log` (d_inner,
-d_state), `D`, `out_proj`; Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`). The layer reads its (conv_states, ssm_states) pair from
-`ctx.mamba_caches[cache_index]`: conv (width - 1, d_inner), SSM (d_inner, d_state) per slot.
+d_state), `D`, `out_proj`; Jamba's `dt_layernorm`, `b_layernorm`, `c_layernorm`). The layer
+reads its (conv_states, ssm_states) pair from `ctx.mamba_caches[cache_index]`: conv
+(width - 1, d_inner), SSM (d_inner, d_state) per slot.
 
 Tensor parallelism (built inside `distributed.building_with`) splits d_inner: each rank holds
 its channels' rows of in_proj (x and z), conv, dt_proj, A_log and D; x_proj is row-parallel, so
@@ -66,7 +67,8 @@ class MambaMixer(nn.Module):
     ):
         super().__init__()
         if activation not in ("silu", "swish"):
-            raise ValueError(f"Mamba-1 mixer: unsupported hidden_act {activation!r} (the conv activation); expected 'silu'")
+            raise ValueError(f"Mamba-1 mixer: unsupported hidden_act {activation!r} (the conv activation); expected "
+                             "'silu'")
         tp = current_group()
         D = intermediate_size
         d0, d1 = even_range(D, tp, "the Mamba-1 inner width (intermediate_size)")

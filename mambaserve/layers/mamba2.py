@@ -130,7 +130,8 @@ class Mamba2Mixer(nn.Module):
         self.num_heads, self.head_dim, self.d_state, self.n_groups = num_heads, head_dim, d_state, n_groups
         self.intermediate_size = intermediate_size or num_heads * head_dim
         if self.intermediate_size != num_heads * head_dim:
-            raise ValueError(f"intermediate size {self.intermediate_size} != num_heads * head_dim ({num_heads} * {head_dim})")
+            raise ValueError(f"intermediate size {self.intermediate_size} != num_heads * head_dim ({num_heads} * "
+                             f"{head_dim})")
         if num_heads % n_groups:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of n_groups ({n_groups})")
         tp = self.tp_group = current_group()

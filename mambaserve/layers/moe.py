@@ -135,7 +135,8 @@ class SigmoidGroupRouter(nn.Module):
                  norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0):
         super().__init__()
         if num_experts % n_group or topk_group > n_group:
-            raise ValueError(f"{num_experts} experts don't split into n_group={n_group} groups of which topk_group={topk_group} are kept")
+            raise ValueError(f"{num_experts} experts don't split into n_group={n_group} groups of which "
+                             f"topk_group={topk_group} are kept")
         if top_k > num_experts // n_group * topk_group:
             raise ValueError(f"top_k={top_k} exceeds the experts of the {topk_group} kept groups")
         self.top_k, self.n_group, self.topk_group = top_k, n_group, topk_group
@@ -268,7 +269,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int):
         super().__init__()
         self.router = SoftmaxTopKRouter(hidden_size, num_experts, top_k)
-        self.experts: nn.Module = nn.ModuleList(_GatedExpert(hidden_size, intermediate_size) for _ in range(num_experts))
+        self.experts: nn.Module = nn.ModuleList(
+            _GatedExpert(hidden_size, intermediate_size) for _ in range(num_experts))
         self.tp_group = current_group()
 
     @torch.no_grad()

@@ -39,7 +39,8 @@ class _Layer(nn.Module):
         else:
             self.self_attn = attention_from_config(config, cache_index, rotary=rotary)
         self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size, bias=getattr(config, "mlp_bias", False))
+        self.feed_forward = GatedMLP(config.hidden_size, config.intermediate_size,
+                                     bias=getattr(config, "mlp_bias", False))
 
 
 class _Model(nn.Module):

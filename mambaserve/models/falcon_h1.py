@@ -107,7 +107,8 @@ class FalconH1ForCausalLM(HybridForCausalLM):
         super().__init__(config)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
-            raise ValueError(f"Falcon-H1 hidden_act {act!r}: only 'silu' is supported (the Mamba conv and the MLP use it)")
+            raise ValueError(f"Falcon-H1 hidden_act {act!r}: only 'silu' is supported (the Mamba conv and the MLP "
+                             "use it)")
         for name, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
             if len(getattr(config, name)) != n:
                 raise ValueError(f"Falcon-H1 {name} must hold {n} values, got {getattr(config, name)!r}")

@@ -77,7 +77,8 @@ class _Layer(nn.Module):
             self.self_attn = attention_from_config(config, cache_index, bias=False)  # transformers: no biases
         self.pre_ff_layernorm = RMSNorm(H, eps=config.rms_norm_eps)
         if moe:
-            self.feed_forward = SparseMoeBlock(H, config.intermediate_size, config.num_experts, config.num_experts_per_tok)
+            self.feed_forward = SparseMoeBlock(H, config.intermediate_size, config.num_experts,
+                                               config.num_experts_per_tok)
         else:
             self.feed_forward = GatedMLP(H, config.intermediate_size)
 

@@ -149,7 +149,8 @@ class NemotronHForCausalLM(HybridForCausalLM):
         if ssm_dtype is not None:
             ssm_dtype = str(ssm_dtype).replace("torch.", "")
             if ssm_dtype not in ("auto", "float32", "bfloat16", "float16"):
-                raise ValueError(f"config mamba_ssm_cache_dtype {ssm_dtype!r}: expected auto, float32, bfloat16 or float16")
+                raise ValueError(f"config mamba_ssm_cache_dtype {ssm_dtype!r}: expected auto, float32, bfloat16 or "
+                                 "float16")
             self.default_mamba_ssm_cache_dtype = None if ssm_dtype == "auto" else ssm_dtype  # None: model dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

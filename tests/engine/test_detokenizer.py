@@ -49,7 +49,8 @@ def test_stop_strings_cut_the_text():
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == base.text[: base.text.index(stop)]
     out = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=40, stop=[stop],
-                                                          include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+                                                          include_stop_str_in_output=True),
+                                                          use_tqdm=False)[0].outputs[0]
     assert out.text == base.text[: base.text.index(stop) + len(stop)]
     assert llm.llm_engine.usage().num_slots_used == 0
 

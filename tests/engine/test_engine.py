@@ -161,7 +161,8 @@ def test_seeded_sampling_is_batch_independent():
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=8, ignore_eos=True)
     alone_out = run(llm, [prompts[3]], params)[0]
     mixed = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         [params if i == 3 else SamplingParams(temperature=1.0, max_tokens=8) for i in range(len(prompts))],
+                         [params if i == 3 else SamplingParams(temperature=1.0,
+                                                               max_tokens=8) for i in range(len(prompts))],
                          use_tqdm=False)
     assert mixed[3].outputs[0].token_ids == alone_out
 
@@ -252,7 +253,8 @@ def test_n_completions_with_the_largest_seed():
     assert_pools_empty(llm)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=7), dict(block_size=4, num_kv_blocks=12, max_model_len=48)])
+@pytest.mark.parametrize("kw", [dict(), dict(max_num_batched_tokens=7), dict(block_size=4, num_kv_blocks=12,
+                                                                             max_model_len=48)])
 def test_prompt_and_generation_token_counters(kw):
     """Counted once each, also when chunked or recomputed after preemption."""
     llm = make("granite-moe", **kw)

@@ -59,7 +59,8 @@ def test_gpu_greedy_equals_cpu_float32(name):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     kw = dict(skip_tokenizer_init=True, dtype="float32")
     cpu = _gen(LLM(checkpoint(name), device="cpu", **kw), prompts_for(name), params)
-    gpu = _gen(LLM(checkpoint(name), device="cuda", enforce_eager=True, gpu_memory_utilization=0.05, **kw), prompts_for(name), params)
+    gpu = _gen(LLM(checkpoint(name), device="cuda", enforce_eager=True, gpu_memory_utilization=0.05, **kw),
+               prompts_for(name), params)
     assert gpu == cpu
 
 

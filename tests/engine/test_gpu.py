@@ -68,7 +68,8 @@ def test_graphs_equal_eager_float32(name):
     graphed = LLM(checkpoint(name), **kw)
     assert graphed.llm_engine.runner.decode_graphs is not None
     for batch in ([prompts[0]], prompts[:3], prompts[:9]):
-        diverged = assert_greedy_close(gen_with_logprobs(graphed, batch, params), gen_with_logprobs(eager, batch, params),
+        diverged = assert_greedy_close(gen_with_logprobs(graphed, batch, params), gen_with_logprobs(eager, batch,
+                                                                                                    params),
                                        max_gap=1e-3, logprob_tol=1e-3)
         assert diverged == [None] * len(batch)
 
@@ -83,7 +84,8 @@ def test_graphs_equal_eager_bf16(name):
     hf = hf_model(name)
     routed = bool(routers_of(hf))
     prompts = tie_free_tokens(hf, list(lens)) if routed else prompts_for(name, lens=lens)
-    kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 2, 4, 8, 16],
+    kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 2, 4,
+                                                                                                            8, 16],
               gpu_memory_utilization=SHARE)
     eager = LLM(checkpoint(name), enforce_eager=True, **kw)
     graphed = LLM(checkpoint(name), **kw)

@@ -35,7 +35,7 @@ def test_split_point_inputs_are_staged_in_shared_buffers(monkeypatch):
         return a[:, :3] * 2 + b.sum()
 
     outs, refs = [], []
-    for layer in range(3):  # three layers: same shapes, so the same buffers
+    for _layer in range(3):  # three layers: same shapes, so the same buffers
         a, b = torch.randn(5, 7), torch.randn(2)
         refs.append(weakref.ref(a))
         out = rec.hole(hole, (a, b), None)

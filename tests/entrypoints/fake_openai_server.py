@@ -27,7 +27,7 @@ class FakeOpenAIServer:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner = None
 
-    def __enter__(self) -> "FakeOpenAIServer":
+    def __enter__(self) -> FakeOpenAIServer:
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=30)
         return self
@@ -55,7 +55,8 @@ class FakeOpenAIServer:
         body = await request.json()
         prompt, n = body.get("prompt"), body.get("max_tokens")
         ok_prompt = isinstance(prompt, str) or (isinstance(prompt, list) and prompt
-                                                and all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt))
+                                                and all(isinstance(t,
+                                                                   int) and 0 <= t < self.vocab_size for t in prompt))
         if not ok_prompt or not isinstance(n, int) or n < 1 or not body.get("stream"):
             return web.json_response({"error": {"message": "bad request"}}, status=400)
         self.bodies.append(body)
@@ -67,7 +68,8 @@ class FakeOpenAIServer:
             await resp.write(b": keep-alive\n\n")
             for i in range(n):
                 await asyncio.sleep(self.token_delay)
-                choice = {"index": 0, "text": f" w{i}", "logprobs": None, "finish_reason": "length" if i == n - 1 else None}
+                choice = {"index": 0, "text": f" w{i}", "logprobs": None,
+                          "finish_reason": "length" if i == n - 1 else None}
                 await resp.write(self._event({"id": "cmpl-0", "object": "text_completion", "model": body["model"],
                                               "choices": [choice], "usage": None}))
             if self.send_usage and (body.get("stream_options") or {}).get("include_usage"):

@@ -152,7 +152,8 @@ def test_bench_latency(tmp_path, capsys):
                "--num-iters-warmup", "1", "--num-iters", "3", "--output-json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "Avg latency:" in printed and "99% percentile latency:" in printed and "decode time per output token" in printed
+    for line in ("Avg latency:", "99% percentile latency:", "decode time per output token"):
+        assert line in printed
     rec = read(out)
     check_common(rec, "latency")
     check_latency(rec, 5, 3, 2, 3)
@@ -171,7 +172,8 @@ def test_bench_latency(tmp_path, capsys):
 @pytest.mark.parametrize("dataset", ["random", "sharegpt-synthetic"])
 def test_bench_throughput(tmp_path, capsys, dataset):
     out = tmp_path / "throughput.json"
-    shape = ["--input-len", "6", "--output-len", "3", "--random-range-ratio", "0.5"] if dataset == "random" else ["--output-len", "2"]
+    shape = ["--input-len", "6", "--output-len", "3", "--random-range-ratio",
+             "0.5"] if dataset == "random" else ["--output-len", "2"]
     rc = main(["bench", "throughput", *engine_flags(), "--dataset", dataset, "--num-prompts", "5", *shape,
                "--num-warmup-prompts", "1", "--seed", "7", "--output-json", str(out)])
     assert rc == 0
@@ -310,11 +312,13 @@ def test_bench_models_plan_and_summary():
     assert len(names) == len(set(names)) == 3 * 11
     lat = {"avg_latency": 0.5, "avg_decode_time_per_token": 0.002}
     runs = {"bamba-9b__mambaserve-graphed__latency-in1024-out128-bs1": lat,
-            "bamba-9b__transformers__latency-in1024-out128-bs1": {"avg_latency": 6.0, "avg_decode_time_per_token": 0.04},
+            "bamba-9b__transformers__latency-in1024-out128-bs1": {"avg_latency": 6.0,
+                                                                  "avg_decode_time_per_token": 0.04},
             "bamba-9b__mambaserve-graphed__throughput-sharegpt-synthetic": {"tokens_per_second": 12000.0,
                                                                            "output_tokens_per_second": 6000.0},
             "bamba-9b__transformers__throughput-sharegpt-synthetic": {"tokens_per_second": 400.0, "truncated": True,
-                                                                     "output_tokens_per_second": 200.0, "elapsed_time": 20.2},
+                                                                     "output_tokens_per_second": 200.0,
+                                                                     "elapsed_time": 20.2},
             "bamba-9b__transformers__latency-in31500-out128-bs1": {"skipped": "out of memory"}}
     table = run.summary_table(runs, ["bamba-9b"]).splitlines()
     assert "| 12.0x |" in table[2] and "0.500 s (2.00 ms/tok)" in table[2]

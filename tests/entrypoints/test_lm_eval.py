@@ -269,7 +269,8 @@ def test_plain_lm_eval_command_line_knows_mambaserve_without_importing_it_first(
     import sys
 
     code = ("import sys; assert 'mambaserve' not in sys.modules and 'torch' not in sys.modules; "
-            "from lm_eval.api.registry import get_model; print(get_model('mambaserve').__name__, get_model('hf').__name__)")
+            "from lm_eval.api.registry import get_model; print(get_model('mambaserve').__name__, "
+            "get_model('hf').__name__)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd="/")
     if proc.returncode != 0 and "_mambaserve_lm_eval_hook" not in sys.modules:
         pytest.skip(f"mambaserve is not installed with its .pth hook here: {proc.stderr[-300:]}")

@@ -151,7 +151,8 @@ def test_tokenize_detokenize_version(base_url, client, offline):
     r = httpx.post(f"{base_url}/tokenize", json={"model": MODEL, "messages": messages}).json()
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert r["count"] == chat.usage.prompt_tokens
-    assert httpx.post(f"{base_url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
+    assert httpx.post(f"{base_url}/detokenize",
+                      json={"tokens": r["tokens"]}).json()["prompt"] == tok.decode(r["tokens"])
     assert httpx.get(f"{base_url}/version").json()["version"]
     for path, body in [("tokenize", {}), ("tokenize", {"prompt": "x", "messages": messages}),
                        ("tokenize", {"messages": [{"content": "no role"}]}), ("detokenize", {"tokens": [10**9]}),
@@ -180,7 +181,8 @@ def test_offline_chat_batches_conversations_and_refuses_bad_ones(offline):
         assert out.outputs[0].token_ids == offline(ids, 4).token_ids
     engine = llm.llm_engine
     for bad, match in [([{"content": "no role"}], "role"),
-                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text content"),
+                       ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+                        "text content"),
                        ([], "conversation")]:
         with pytest.raises(ValueError, match=match):
             llm.chat([convs[0], bad] if bad else bad, params, use_tqdm=False)

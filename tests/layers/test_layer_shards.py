@@ -146,7 +146,8 @@ def test_mamba1_rank_holds_its_channels(tmp_path, R, no_collectives):
         assert torch.equal(part.A_log, whole.A_log[r * 16 // R:(r + 1) * 16 // R])
     # x_proj row-parallel: its parts sum to dt, B and C; out_proj likewise (bias once)
     torch.testing.assert_close(sum(p.x_proj(by_rank(inner, R, r)) for r, p in enumerate(parts)), whole.x_proj(inner))
-    torch.testing.assert_close(sum(p.out_proj(by_rank(inner, R, r)) for r, p in enumerate(parts)), whole.out_proj(inner))
+    torch.testing.assert_close(sum(p.out_proj(by_rank(inner, R, r)) for r, p in enumerate(parts)),
+                               whole.out_proj(inner))
 
 
 @pytest.mark.parametrize("R", [2, 4])

@@ -50,7 +50,8 @@ def test_greedy_64_tokens_equal_transformers_generate(hf, llm):
     for prompt, out in zip(PROMPTS, outs):
         ids = tok(prompt, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            ref = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+            ref = model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)[0,
+                                                                                                             ids.shape[1]:]
         assert out.outputs[0].token_ids == ref.tolist()
         assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
 

@@ -30,13 +30,13 @@ LENS = [1, 2, 3, 21, 40]
 @pytest.mark.parametrize("device,dtype,tol", [
     ("cpu", "float32", 1e-4),
     pytest.param("cuda", "float32", 1e-3, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
-    pytest.param("cuda", "bfloat16", 3e-2, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
+    pytest.param("cuda", "bfloat16", 3e-2, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                    reason="needs CUDA")),
 ])
 def test_packed_prefill_then_decode_matches_transformers(name, device, dtype, tol):
     hf = hf_model(name)
     skip_unless_transformers_per_group(hf)
     ours = load_model(checkpoint(name), dtype=dtype, device=device)
-    vocab = hf.config.vocab_size
     n_decode = 3
     # tokens on which no MoE router is near a tie (in bf16 one would flip the expert choice in
     # one implementation and not the other: an O(1) change that is not a bug)
@@ -129,7 +129,8 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
     import json
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-                                                      "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
+                                                      "hidden_size": 8, "num_attention_heads": 2,
+                                                      "num_hidden_layers": 1,
                                                       "intermediate_size": 8, "vocab_size": 10}))
     with pytest.raises(ValueError, match="supports: BambaForCausalLM"):
         load_model(tmp_path)

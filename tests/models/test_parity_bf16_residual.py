@@ -57,8 +57,8 @@ def test_bf16_deep_residual_stream_near_transformers(name, residual_in_fp32):
     h = Harness(ours, len(lens), max(lens) + n_decode)
     got = [h.step({i: s[:n] for i, (s, n) in enumerate(zip(seqs, lens))})]
     got += [h.step({i: [s[n + t]] for i, (s, n) in enumerate(zip(seqs, lens))}) for t in range(n_decode)]
-    for i, (s, n) in enumerate(zip(seqs, lens)):
-        ours_logits = torch.cat([step[i] for step in got])  # (n + n_decode, vocab)
+    for i, s in enumerate(seqs):
+        ours_logits = torch.cat([step[i] for step in got])  # (len(s), vocab)
         with torch.no_grad():
             ref = hf(torch.tensor([s])).logits[0]
             low = hf_low(torch.tensor([s])).logits[0].float()

@@ -23,7 +23,10 @@ def test_real_config_matches_transformers_parameter_count(file):
     with torch.device("meta"):
         ours = get_model_class(config)(config)
         theirs = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**raw))
-    count = lambda m: sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
+
+    def count(m):
+        return sum(p.numel() for p in {id(p): p for p in m.parameters()}.values())
+
     assert count(ours) == count(theirs)
     spec = ours.cache_spec()
     assert len(spec.mamba) + len(spec.attention) > 0

@@ -10,7 +10,8 @@ import torch
 CONFIGS = {
     # MoE, NoPE, multipliers != 1, n_groups 2, tied embeddings
     "granite-moe": dict(
-        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=211, hidden_size=48, intermediate_size=32, shared_intermediate_size=40,
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=211, hidden_size=48, intermediate_size=32,
+        shared_intermediate_size=40,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_local_experts=5, num_experts_per_tok=2,
         mamba_n_heads=6, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_expand=2, mamba_chunk_size=8,
         layer_types=["mamba", "attention", "mamba", "attention"], position_embedding_type="nope",
@@ -19,7 +20,8 @@ CONFIGS = {
     ),
     # a shared expert twice the experts' size: absorbed into the fused MoE as two extra experts
     "granite-moe-absorbed": dict(
-        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=173, hidden_size=40, intermediate_size=24, shared_intermediate_size=48,
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=173, hidden_size=40, intermediate_size=24,
+        shared_intermediate_size=48,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=3,
         mamba_n_heads=5, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8,
         layer_types=["mamba", "attention", "mamba"], position_embedding_type="nope",
@@ -28,7 +30,8 @@ CONFIGS = {
     ),
     # dense shared MLP only, RoPE, untied, n_groups 1
     "granite-dense-rope": dict(
-        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=199, hidden_size=32, intermediate_size=32, shared_intermediate_size=56,
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=199, hidden_size=32, intermediate_size=32,
+        shared_intermediate_size=56,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, num_local_experts=0, num_experts_per_tok=0,
         mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8,
         layer_types=["attention", "mamba", "mamba"], position_embedding_type="rope", attention_multiplier=0.25,
@@ -49,11 +52,13 @@ CONFIGS = {
         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
     "mamba2": dict(
-        arch="Mamba2", initializer_range=0.3, vocab_size=197, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=8,
+        arch="Mamba2", initializer_range=0.3, vocab_size=197, hidden_size=32, num_hidden_layers=2, num_heads=4,
+        head_dim=16, state_size=8,
         n_groups=2, expand=2, chunk_size=8, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
     "mamba2-untied": dict(
-        arch="Mamba2", initializer_range=0.3, vocab_size=150, hidden_size=24, num_hidden_layers=2, num_heads=3, head_dim=16, state_size=8,
+        arch="Mamba2", initializer_range=0.3, vocab_size=150, hidden_size=24, num_hidden_layers=2, num_heads=3,
+        head_dim=16, state_size=8,
         n_groups=1, expand=2, chunk_size=8, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1, pad_token_id=0,
         time_step_limit=(0.01, 0.5),
     ),
@@ -75,7 +80,8 @@ CONFIGS = {
     "zamba2": dict(
         arch="Zamba2", initializer_range=0.2, vocab_size=193, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
         layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid", "mamba"], num_mem_blocks=2,
-        num_attention_heads=4, num_key_value_heads=4, use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True,
+        num_attention_heads=4, num_key_value_heads=4, use_shared_attention_adapter=True, adapter_rank=8,
+        use_mem_rope=True,
         n_mamba_heads=4, mamba_d_state=8, mamba_ngroups=2, mamba_expand=2, chunk_size=8, time_step_min=0.02,
         hidden_act="gelu", rms_norm_eps=1e-4, tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
@@ -84,7 +90,8 @@ CONFIGS = {
     "zamba2-gqa": dict(
         arch="Zamba2", initializer_range=0.2, vocab_size=181, hidden_size=48, intermediate_size=40, num_hidden_layers=4,
         layers_block_type=["hybrid", "mamba", "hybrid", "mamba"], num_mem_blocks=1,
-        num_attention_heads=4, num_key_value_heads=2, use_shared_attention_adapter=False, adapter_rank=4, use_mem_rope=False,
+        num_attention_heads=4, num_key_value_heads=2, use_shared_attention_adapter=False, adapter_rank=4,
+        use_mem_rope=False,
         n_mamba_heads=6, mamba_d_state=16, mamba_ngroups=1, mamba_expand=2, chunk_size=8,
         hidden_act="gelu", tie_word_embeddings=True, eos_token_id=2, bos_token_id=1, pad_token_id=0,
     ),
@@ -109,8 +116,10 @@ CONFIGS = {
     # Falcon-H1: parallel Mamba2 + GQA RoPE attention per layer, every muP multiplier != 1, no
     # gated norm in the mixer (y * silu(z)), Mamba width mamba_d_ssm (48) != expand x hidden, untied
     "falcon-h1": dict(
-        arch="FalconH1", initializer_range=0.2, vocab_size=179, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=48, mamba_n_heads=3, mamba_d_state=8, mamba_n_groups=1,
+        arch="FalconH1", initializer_range=0.2, vocab_size=179, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=48, mamba_n_heads=3, mamba_d_state=8,
+        mamba_n_groups=1,
         mamba_chunk_size=8, mamba_rms_norm=False, embedding_multiplier=2.0, lm_head_multiplier=0.7,
         attention_in_multiplier=0.8, attention_out_multiplier=1.3, key_multiplier=0.6, ssm_in_multiplier=1.2,
         ssm_out_multiplier=0.9, ssm_multipliers=[0.5, 1.5, 0.8, 1.25, 0.7], mlp_multipliers=[1.4, 0.6],
@@ -119,8 +128,10 @@ CONFIGS = {
     # Falcon-H1 flipped: gated RMSNorm over 2 groups with the gate first (norm_before_gate false),
     # in_proj / out_proj / attention / MLP biases, no conv bias, MHA, Mamba width expand x hidden, tied
     "falcon-h1-norm": dict(
-        arch="FalconH1", initializer_range=0.2, vocab_size=167, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=3, num_key_value_heads=3, mamba_d_ssm=None, mamba_expand=2, mamba_n_heads=6, mamba_d_state=8,
+        arch="FalconH1", initializer_range=0.2, vocab_size=167, hidden_size=24, intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=3, num_key_value_heads=3, mamba_d_ssm=None, mamba_expand=2, mamba_n_heads=6,
+        mamba_d_state=8,
         mamba_n_groups=2, mamba_chunk_size=8, mamba_d_conv=3, mamba_rms_norm=True, mamba_norm_before_gate=False,
         mamba_proj_bias=True, projectors_bias=True, mamba_conv_bias=False, attention_bias=True, mlp_bias=True,
         embedding_multiplier=0.5, lm_head_multiplier=1.5, attention_in_multiplier=1.25, attention_out_multiplier=0.75,
@@ -131,7 +142,8 @@ CONFIGS = {
     # Falcon-H1 with the gated norm after the normalisation (norm_before_gate, the config default), 2 groups;
     # attention head_dim (16) != hidden / heads, as in the published configs
     "falcon-h1-norm-first": dict(
-        arch="FalconH1", initializer_range=0.2, vocab_size=157, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        arch="FalconH1", initializer_range=0.2, vocab_size=157, hidden_size=32, intermediate_size=32,
+        num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=1, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_state=8,
         mamba_n_groups=2, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
         embedding_multiplier=1.5, lm_head_multiplier=0.8, key_multiplier=0.7, ssm_multipliers=[0.9, 1.1, 1.3, 0.8, 1.2],
@@ -162,7 +174,8 @@ CONFIGS = {
     # heads, a shared expert beside the MoE (40 is no multiple of 16: not absorbed), untied, a
     # vocabulary of 211 (padded on the last rank)
     "granite-tp": dict(
-        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=211, hidden_size=48, intermediate_size=16, shared_intermediate_size=40,
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=211, hidden_size=48, intermediate_size=16,
+        shared_intermediate_size=40,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, num_local_experts=5, num_experts_per_tok=2,
         mamba_n_heads=8, mamba_d_head=12, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2, mamba_chunk_size=8,
         layer_types=["mamba", "attention", "mamba", "attention"], position_embedding_type="nope",
@@ -172,7 +185,8 @@ CONFIGS = {
     # granite: n_groups 2 (split at 2 ranks, each group on 2 ranks at 4), the shared expert absorbed
     # into the MoE (32 = 2 x 16), RoPE, tied embeddings
     "granite-tp-absorbed": dict(
-        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=199, hidden_size=32, intermediate_size=16, shared_intermediate_size=32,
+        arch="GraniteMoeHybrid", initializer_range=0.2, vocab_size=199, hidden_size=32, intermediate_size=16,
+        shared_intermediate_size=32,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_expand=2, mamba_chunk_size=8,
         layer_types=["mamba", "attention", "mamba"], position_embedding_type="rope", attention_multiplier=0.25,
@@ -295,7 +309,7 @@ def _perturb(model, seed):
             b.copy_(0.3 * torch.randn(b.shape, generator=g))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def checkpoint(name: str) -> str:
     """Path of a saved checkpoint of the tiny config (built once per test session)."""
     path = tempfile.mkdtemp(prefix=f"mambaserve-{name}-")
@@ -317,7 +331,9 @@ def _router_margin(router, hidden_states) -> torch.Tensor:
     grouped = s.view(len(s), router.num_group, -1)
     group_scores = grouped.topk(2, dim=-1).values.sum(-1).sort(-1, descending=True).values
     kept = group_scores[:, router.topk_group - 1]
-    margin = kept - group_scores[:, router.topk_group] if router.topk_group < router.num_group else torch.full_like(kept, float("inf"))
+    margin = kept - group_scores[:,
+                                 router.topk_group] if router.topk_group < router.num_group else torch.full_like(kept,
+                                                                                                                 float("inf"))
     keep = grouped.topk(2, dim=-1).values.sum(-1).topk(router.topk_group, dim=-1).indices  # (T, topk_group)
     pool = grouped.gather(1, keep[:, :, None].expand(-1, -1, grouped.shape[-1])).flatten(1)
     top = pool.topk(min(k + 1, pool.shape[1]), dim=-1).values

@@ -139,7 +139,8 @@ def test_numpy_scalar_arguments(device, backend):
         routed = ops.topk_softmax(logits, np.int64(2), num_shared=np.int64(1))
         routed_x = ops.router_topk(x, router, np.int64(2), num_shared=np.int64(1))
     with ops.backend("reference"):
-        assert torch.allclose(scanned, ops.ssd_chunk_scan(**dict(scan_args, ssm_states=scan_states)), rtol=1e-4, atol=1e-5)
+        assert torch.allclose(scanned, ops.ssd_chunk_scan(**dict(scan_args, ssm_states=scan_states)), rtol=1e-4,
+                              atol=1e-5)
         assert torch.allclose(normed, ops.rms_norm_gated(x, w, None, 1e-5, 4), rtol=1e-5, atol=1e-6)
         assert torch.allclose(added, ops.fused_add_rms_norm(x, x.clone(), w, 1e-5), rtol=1e-5, atol=1e-6)
         for ours, theirs in ((routed, ops.topk_softmax(logits, 2, num_shared=1)),

@@ -103,7 +103,8 @@ def test_fused_add_rms_norm_takes_partial_sums(device, two_pass, monkeypatch):
         assert rel_err(out, ref.rms_norm_gated(exact, w.double(), None, 1e-5, hidden)) < tolerance(torch.bfloat16)
         res_ref = before.clone()
         out_ref = ops.reference.fused_add_rms_norm(x, res_ref, w, 1e-5, 0.5)
-        assert rel_err(res_ref, exact) < tolerance(torch.bfloat16) and rel_err(out_ref, out.double()) < tolerance(torch.bfloat16)
+        assert rel_err(res_ref, exact) < tolerance(torch.bfloat16) and rel_err(out_ref,
+                                                                               out.double()) < tolerance(torch.bfloat16)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -104,7 +104,8 @@ def test_fused_moe_adds_the_shared_output_and_splits_odd_sizes(impl):
     fused_moe_triton(x, w1, w2, tw, ti, impl=impl, out=out, add=add)
     ref = _ref(x, w1, w2, tw, ti) + add.double().to(_ref(x, w1, w2, tw, ti).dtype)
     assert rel_err(out, ref) < tolerance(torch.bfloat16)
-    assert rel_err(out, reference.fused_moe(x.double(), w1.double(), w2.double(), tw.double(), ti, add)) < tolerance(torch.bfloat16)
+    assert rel_err(out, reference.fused_moe(x.double(), w1.double(), w2.double(), tw.double(), ti,
+                                            add)) < tolerance(torch.bfloat16)
     with ops.backend("triton"):
         assert torch.equal(ops.fused_moe(x, w1, w2, tw, ti, add) if impl == "direct" else out, out)
 

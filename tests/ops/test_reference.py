@@ -41,7 +41,7 @@ def test_causal_conv1d_reference(width):
     has = torch.tensor([True, True, False, True, True, False])
     before = states.clone()
     out = ops.causal_conv1d(x, w, b, states, qsl, idx, has)
-    for i, L in enumerate(lens):
+    for i in range(len(lens)):
         s, e = int(qsl[i]), int(qsl[i + 1])
         slot = int(idx[i])
         init = before[slot] if slot >= 0 and has[i] else torch.zeros(width - 1, dim, dtype=torch.float64)
@@ -92,7 +92,8 @@ def test_ssd_chunk_scan_reference(ngroups, chunk_size):
         s, e = int(qsl[i]), int(qsl[i + 1])
         slot = int(idx[i])
         h0 = before[slot] if slot >= 0 and has[i] else torch.zeros(H, P, N, dtype=d)
-        yr, hr = naive_ssm(x[s:e], dtp[s:e], A, B[s:e].repeat_interleave(rep, 1), C[s:e].repeat_interleave(rep, 1), D, z[s:e], h0)
+        yr, hr = naive_ssm(x[s:e], dtp[s:e], A, B[s:e].repeat_interleave(rep, 1), C[s:e].repeat_interleave(rep, 1), D,
+                           z[s:e], h0)
         assert rel_err(y[s:e], yr) < 1e-10
         if slot >= 0:
             assert rel_err(states[slot], hr) < 1e-10

@@ -21,7 +21,8 @@ def naive_scan(x, dt, A, B, C, D, z, dt_bias, states, lens, idx, has_init):
     start = 0
     for i, n in enumerate(lens):
         slot = int(idx[i])
-        h = states[slot].clone() if slot >= 0 and bool(has_init[i]) else torch.zeros(A.shape, dtype=torch.float64, device=A.device)
+        h = states[slot].clone() if slot >= 0 and bool(has_init[i]) else torch.zeros(A.shape, dtype=torch.float64,
+                                                                                     device=A.device)
         for t in range(start, start + n):
             delta = F.softplus(dt[t] + (dt_bias if dt_bias is not None else 0.0))  # (dim,)
             h = torch.exp(delta[:, None] * A) * h + delta[:, None] * x[t][:, None] * B[t][None, :]

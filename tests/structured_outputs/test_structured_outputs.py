@@ -108,7 +108,7 @@ def test_batched_equals_alone_without_async_and_preempted():
         runner, chained = llm.llm_engine.runner, []
         real = runner.execute_chained_decode
 
-        def counting(seqs, *args, **kwargs):
+        def counting(seqs, *args, chained=chained, real=real, **kwargs):
             chained.append(any(s.sampling_params.structured_outputs is not None for s in seqs))
             return real(seqs, *args, **kwargs)
 
