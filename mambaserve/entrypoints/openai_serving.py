@@ -22,118 +22,30 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import dataclasses
-import math
 import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from mambaserve.chat import render_chat
 from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput, RequestStream
 from mambaserve.entrypoints.constraints import ConstraintError, structured_outputs_of
-from mambaserve.entrypoints.protocol import (
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatLogProbs,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    ChatTokenLogprob,
-    CompletionChoice,
-    CompletionLogProbs,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaFunctionCall,
-    DeltaMessage,
-    DeltaToolCall,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ErrorInfo,
-    ErrorResponse,
-    FunctionCall,
-    NamedToolChoice,
-    PromptLogprob,
-    SamplingRequest,
-    TokenizeRequest,
-    TokenizeResponse,
-    ToolCall,
-    TopLogprob,
-    UsageInfo,
-)
-from mambaserve.entrypoints.tool_parsers import ToolCallParser, ToolCallStream, new_call_id
-from mambaserve.outputs import CompletionOutput, RequestOutput
-from mambaserve.sampling_params import Logprob, SamplingParams
+from mambaserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                             NamedToolChoice, SamplingRequest, TokenizeRequest)
+from mambaserve.entrypoints.protocol_responses import DetokenizeResponse, TokenizeResponse
+from mambaserve.entrypoints.serving_chat import ChatServing
+from mambaserve.entrypoints.serving_common import ApiError, Job
+from mambaserve.entrypoints.serving_completions import CompletionServing
+from mambaserve.entrypoints.tool_parsers import ToolCallParser
+from mambaserve.sampling_params import SamplingParams
+
+__all__ = ["ApiError", "OpenAIServing"]
 
 # Sequences (prompts x n) one HTTP request may start.
 MAX_SEQUENCES_PER_REQUEST = 1024
 # Generation requests with more prompt text than this (characters) are tokenized in a lane of
 # their own: at about 1 MB/s of tokenizing, 64 KiB takes tens of milliseconds, 4 MiB seconds.
 LARGE_PROMPT_CHARS = 64 * 1024
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 503: "server_unavailable_error"}
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's {"error": {message, type, param, code}} with `status`."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-
-    def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
-
-
-@dataclasses.dataclass
-class _Job:
-    """A validated request, ready for the engine."""
-
-    request_id: str
-    created: int
-    prompts: list[tuple[str | None, list[int]]]  # (text or None, token ids)
-    params: SamplingParams
-    stream: bool
-    include_usage: bool
-    echo: bool = False
-    drop_output: bool = False  # max_tokens=0: one token is generated and not returned
-    num_top: int | None = None  # logprobs asked for (None: none)
-    arrival: float = 0.0  # time.time() when the request arrived
-    prompt_top: int | None = None  # vLLM's prompt_logprobs asked for (None: none)
-    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
-    tools: ToolCallParser | None = None  # how to find tool calls in the reply (None: it has none)
-
-    @property
-    def holdback(self) -> int:
-        p = self.params
-        return 0 if not p.stop or p.include_stop_str_in_output else max(len(s) for s in p.stop) - 1
-
-
-@dataclasses.dataclass
-class _ChoiceState:
-    """What a streamed choice has sent so far."""
-
-    text_sent: int = 0
-    tokens_sent: int = 0
-    started: bool = False
-    done: bool = False
-    offset: int = 0  # text_offset of the next token (completions logprobs)
-
-
-def _sse(obj) -> str:
-    return f"data: {obj.model_dump_json()}\n\n"
-
-
-_DONE = "data: [DONE]\n\n"
-
-
-def _finite(x: float) -> float:
-    # JSON has no infinities: OpenAI-style servers send a large negative number instead.
-    return x if math.isfinite(x) else -9999.0
 
 
 def _text_size(req: CompletionRequest | ChatCompletionRequest) -> int:
@@ -144,19 +56,6 @@ def _text_size(req: CompletionRequest | ChatCompletionRequest) -> int:
     p = req.prompt
     return len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
 
-
-def top_logprobs_by_label(d: dict[int, Logprob], label) -> dict[str, float]:
-    """One position's completions top_logprobs {label: logprob}: one entry per token, most
-    likely first; label(token, Logprob) -> text. Labels are the tokens' text in context (the
-    engine's); where two tokens read the same (byte fragments that each decode to U+FFFD, twin
-    vocabulary entries) the less likely one is keyed `token_id:<id>` (vLLM's spelling under
-    --return-tokens-as-token-ids), so that no entry is lost and none takes another's value."""
-    ranked = sorted(d.items(), key=lambda item: (item[1].rank is None, item[1].rank or 0))
-    top: dict[str, float] = {}
-    for t, lp in ranked:
-        text = label(t, lp)
-        top[f"token_id:{t}" if text in top else text] = _finite(lp.logprob)
-    return top
 
 
 def _max_or_none(a: int | None, b: int | None) -> int | None:
@@ -178,28 +77,8 @@ def _constraint_param(req: SamplingRequest) -> str:
     return "tool_choice"
 
 
-def _prompt_logprobs(out: RequestOutput, num_top: int) -> list:
-    """vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: logprob, rank,
-    decoded token} for the actual token and the num_top most likely."""
-    entries = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-    return [None if not d else {t: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank,
-                                                 decoded_token=lp.decoded_token)
-                                for t, lp in d.items() if t == tok or (lp.rank is not None and lp.rank <= num_top)}
-            for tok, d in zip(out.prompt_token_ids, entries)]
 
-
-def _tool_calls(job: _Job, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
-    """(content, tool calls, finish reason) of a whole chat reply: "tool_calls" when the reply
-    made calls and ended by itself."""
-    if job.tools is None:
-        return text, [], finish_reason
-    content, calls = job.tools.final(text)
-    tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-                  for c in calls]
-    return content, tool_calls, "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
-
-
-class OpenAIServing:
+class OpenAIServing(CompletionServing, ChatServing):
     """Completions and chat completions for one served model."""
 
     def __init__(self, engine: AsyncEngine, served_model_name: str, *, enable_auto_tool_choice: bool = False,
@@ -239,7 +118,7 @@ class OpenAIServing:
     async def _in_lane(self, lane: str, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._lanes[lane], fn, *args)
 
-    async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> _Job:
+    async def prepare(self, req: CompletionRequest | ChatCompletionRequest) -> Job:
         """`prepare_completion` or `prepare_chat` of `req`, in a tokenizing thread: the large-prompt
         lane when its text is over LARGE_PROMPT_CHARS characters."""
         fn = self.prepare_chat if isinstance(req, ChatCompletionRequest) else self.prepare_completion
@@ -307,8 +186,7 @@ class OpenAIServing:
             try:
                 logit_bias = {int(t): b for t, b in req.logit_bias.items()}
             except ValueError:
-                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)",
-                               param="logit_bias") from None
+                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
         try:
             return SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -338,7 +216,7 @@ class OpenAIServing:
             raise ApiError(400, str(e), param=_constraint_param(req)) from None
         return params
 
-    def prepare_completion(self, req: CompletionRequest) -> _Job:
+    def prepare_completion(self, req: CompletionRequest) -> Job:
         """Validate a completion request and tokenize its prompts. Raises ApiError."""
         arrival = time.time()
         self.check_model(req.model)
@@ -367,12 +245,12 @@ class OpenAIServing:
             prompts.append((item if isinstance(item, str) else None, ids))
         echo_top = req.logprobs if req.echo and req.logprobs is not None else None
         params = self._sampling_params(req, max_tokens, req.logprobs, _max_or_none(echo_top, req.prompt_logprobs))
-        return _Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, req.stream,
+        return Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), echo=req.echo,
                     drop_output=drop, num_top=req.logprobs, arrival=arrival, prompt_top=req.prompt_logprobs,
                     continuous_usage=_continuous(req))
 
-    def prepare_chat(self, req: ChatCompletionRequest) -> _Job:
+    def prepare_chat(self, req: ChatCompletionRequest) -> Job:
         """Validate a chat request and render its messages with the chat template. Raises ApiError."""
         arrival = time.time()
         self.check_model(req.model)
@@ -389,7 +267,7 @@ class OpenAIServing:
         self._check_prompt(ids, max_tokens, "messages")
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, num_top, req.prompt_logprobs)
-        return _Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [(text, ids)], params, req.stream,
+        return Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [(text, ids)], params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), num_top=num_top,
                     arrival=arrival, prompt_top=req.prompt_logprobs, continuous_usage=_continuous(req), tools=tools)
 
@@ -426,7 +304,7 @@ class OpenAIServing:
             param = "chat_template_kwargs" if "chat_template_kwargs" in str(e) else "messages"
             raise ApiError(400, str(e), param=param) from None
 
-    async def submit(self, job: _Job) -> RequestStream:
+    async def submit(self, job: Job) -> RequestStream:
         """Queue a job's prompts in the engine. Raises ApiError (400, 503) if it refuses them."""
         try:
             return await self.engine.submit(job.request_id, [EngineInput(ids, job.params) for _, ids in job.prompts],
@@ -434,217 +312,3 @@ class OpenAIServing:
         except EngineError as e:
             raise ApiError(e.status, str(e)) from None
 
-    # ------------------------------------------------------------------ tokens and logprobs
-    def _token_str(self, token: int, lp: Logprob | None = None) -> str:
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        if self.tokenizer is None:
-            return f"token_id:{token}"
-        return self.tokenizer.decode([token])
-
-    def _completion_logprobs(self, token_ids: list[int], lps: list, offset: int) -> tuple[CompletionLogProbs, int]:
-        """OpenAI completions logprobs for tokens starting at text offset `offset` (output or,
-        under echo, prompt tokens); also returns the offset after them."""
-        out = CompletionLogProbs()
-        for tok, d in zip(token_ids, lps):
-            s = self._token_str(tok, d.get(tok) if d else None)
-            out.tokens.append(s)
-            out.text_offset.append(offset)
-            offset += len(s)
-            if not d:
-                out.token_logprobs.append(None)
-                out.top_logprobs.append(None)
-                continue
-            out.token_logprobs.append(_finite(d[tok].logprob) if tok in d else None)
-            out.top_logprobs.append(top_logprobs_by_label(d, self._token_str))
-        return out, offset
-
-    def _chat_logprobs(self, token_ids: list[int], lps: list, num_top: int) -> ChatLogProbs:
-        content = []
-        for tok, d in zip(token_ids, lps):
-            chosen = d.get(tok) if d else None
-            s = self._token_str(tok, chosen)
-            top = sorted(((t, lp) for t, lp in (d or {}).items() if lp.rank is not None and lp.rank <= num_top),
-                         key=lambda item: item[1].rank)
-            content.append(ChatTokenLogprob(
-                token=s, logprob=_finite(chosen.logprob) if chosen else -9999.0, bytes=list(s.encode()),
-                top_logprobs=[TopLogprob(token=(ts := self._token_str(t, lp)), logprob=_finite(lp.logprob),
-                                         bytes=list(ts.encode())) for t, lp in top]))
-        return ChatLogProbs(content=content)
-
-    def _usage(self, job: _Job, finals: dict[int, RequestOutput]) -> UsageInfo:
-        prompt = sum(len(ids) for _, ids in job.prompts)
-        completion = 0 if job.drop_output else sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-    def _prompt_text(self, job: _Job, index: int) -> str:
-        text, ids = job.prompts[index]
-        if text is not None:
-            return text
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-
-    @staticmethod
-    async def _collect(stream: RequestStream) -> dict[int, RequestOutput]:
-        finals: dict[int, RequestOutput] = {}
-        async for index, out in stream:
-            if out.finished:
-                finals[index] = out
-        return finals
-
-    # ------------------------------------------------------------------ completions
-    def _completion_choice(self, job: _Job, index: int, out: RequestOutput, c: CompletionOutput) -> CompletionChoice:
-        text, lps, offset = "", None, 0
-        if job.echo:
-            text = self._prompt_text(job, index)
-            if job.num_top is not None:
-                prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                lps, offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0)
-        if not job.drop_output:
-            text += c.text
-            if job.num_top is not None:
-                more, _ = self._completion_logprobs(c.token_ids, c.logprobs or [], offset)
-                lps = more if lps is None else CompletionLogProbs(
-                    **{k: getattr(lps, k) + getattr(more, k) for k in CompletionLogProbs.model_fields})
-        return CompletionChoice(index=index * job.params.n + c.index, text=text, logprobs=lps,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                                prompt_logprobs=None if job.prompt_top is None else
-                                _prompt_logprobs(out, job.prompt_top))
-
-    async def completion_response(self, job: _Job, stream: RequestStream) -> CompletionResponse:
-        """The whole completion response, once every prompt's request has finished."""
-        try:
-            finals = await self._collect(stream)
-        except EngineError as e:
-            raise ApiError(e.status, str(e)) from None
-        choices = [self._completion_choice(job, i, finals[i], c) for i in sorted(finals) for c in finals[i].outputs]
-        return CompletionResponse(id=job.request_id, created=job.created, model=self.model_name, choices=choices,
-                                  usage=self._usage(job, finals))
-
-    def _completion_delta(self, job: _Job, index: int, out: RequestOutput, c: CompletionOutput,
-                          st: _ChoiceState) -> CompletionChoice | None:
-        finished = c.finish_reason is not None
-        if st.done or (len(c.token_ids) <= st.tokens_sent and not finished):
-            return None  # nothing new (e.g. a prefill chunk)
-        text, lps = "", None
-        if job.echo and not st.started:
-            text = self._prompt_text(job, index)
-            if job.num_top is not None:
-                prompt_lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
-                lps, st.offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0)
-        st.started = True
-        if not job.drop_output:
-            end = len(c.text) if finished else max(st.text_sent, len(c.text) - job.holdback)
-            text += c.text[st.text_sent:end]
-            st.text_sent = max(st.text_sent, end)
-            if job.num_top is not None:
-                new_ids, new_lps = c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:]
-                more, st.offset = self._completion_logprobs(new_ids, new_lps, st.offset)
-                lps = more if lps is None else CompletionLogProbs(
-                    **{k: getattr(lps, k) + getattr(more, k) for k in CompletionLogProbs.model_fields})
-        new_tokens = len(c.token_ids) > st.tokens_sent
-        st.tokens_sent = len(c.token_ids)
-        st.done = finished
-        if not text and not finished and not (lps is not None and new_tokens):
-            return None
-        return CompletionChoice(index=index * job.params.n + c.index, text=text, logprobs=lps,
-                                finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-
-    async def completion_events(self, job: _Job, stream: RequestStream) -> AsyncIterator[str]:
-        """Server-sent events of a streamed completion, ending with `data: [DONE]`."""
-        states: dict[int, _ChoiceState] = {}
-        finals: dict[int, RequestOutput] = {}
-        latest: dict[int, RequestOutput] = {}
-        try:
-            async for index, out in stream:
-                latest[index] = out
-                if out.finished:
-                    finals[index] = out
-                choices = []
-                for c in out.outputs:
-                    st = states.setdefault(index * job.params.n + c.index, _ChoiceState())
-                    choice = self._completion_delta(job, index, out, c, st)
-                    if choice is not None:
-                        choices.append(choice)
-                if choices:
-                    yield _sse(CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
-                                                  choices=choices,
-                                                  usage=self._usage(job, latest) if job.continuous_usage else None))
-            if job.include_usage:
-                yield _sse(CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
-                                              choices=[], usage=self._usage(job, finals)))
-        except EngineError as e:
-            yield f"data: {ApiError(e.status, str(e)).body().model_dump_json()}\n\n"
-        finally:
-            stream.abort()
-        yield _DONE
-
-    # ------------------------------------------------------------------ chat completions
-    async def chat_response(self, job: _Job, stream: RequestStream) -> ChatCompletionResponse:
-        """The whole chat completion response, once the request has finished."""
-        try:
-            finals = await self._collect(stream)
-        except EngineError as e:
-            raise ApiError(e.status, str(e)) from None
-        choices = []
-        for c in finals[0].outputs:
-            lps = self._chat_logprobs(c.token_ids, c.logprobs or [], job.num_top) if job.num_top is not None else None
-            content, tool_calls, finish = _tool_calls(job, c.text, c.finish_reason)
-            message = ChatResponseMessage(content=content, tool_calls=tool_calls)
-            choices.append(ChatChoice(index=c.index, message=message, logprobs=lps, finish_reason=finish,
-                                      stop_reason=c.stop_reason))
-        return ChatCompletionResponse(
-            id=job.request_id, created=job.created, model=self.model_name, choices=choices,
-            usage=self._usage(job, finals),
-            prompt_logprobs=None if job.prompt_top is None else _prompt_logprobs(finals[0], job.prompt_top))
-
-    async def chat_events(self, job: _Job, stream: RequestStream) -> AsyncIterator[str]:
-        """Server-sent events of a streamed chat completion: a role chunk per choice, content
-        deltas, a chunk with the finish reason, the usage chunk if asked, `data: [DONE]`."""
-        def chunk(choices, usage=None):
-            return _sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
-                                            choices=choices, usage=usage))
-
-        states = [_ChoiceState() for _ in range(job.params.n)]
-        calls = [ToolCallStream(job.tools) if job.tools is not None else None for _ in range(job.params.n)]
-        finals: dict[int, RequestOutput] = {}
-        try:
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                         for i in range(job.params.n)])
-            async for index, out in stream:
-                if out.finished:
-                    finals[index] = out
-                choices = []
-                for c in out.outputs:
-                    st = states[c.index]
-                    finished = c.finish_reason is not None
-                    if st.done or (len(c.token_ids) <= st.tokens_sent and not finished):
-                        continue
-                    end = len(c.text) if finished else max(st.text_sent, len(c.text) - job.holdback)
-                    text, deltas, finish = c.text[st.text_sent:end], None, c.finish_reason
-                    st.text_sent = max(st.text_sent, end)
-                    if calls[c.index] is not None:  # content up to the first call, then the calls' pieces
-                        text, pieces = calls[c.index].update(c.text[:end], finished)
-                        deltas = [DeltaToolCall(index=k, id=i, type="function" if i else None,
-                                                function=DeltaFunctionCall(name=name, arguments=args))
-                                  for k, i, name, args in pieces] or None
-                        if finished and calls[c.index].ids and finish == "stop":
-                            finish = "tool_calls"
-                    lps = None
-                    if job.num_top is not None and len(c.token_ids) > st.tokens_sent:
-                        lps = self._chat_logprobs(c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:],
-                                                  job.num_top)
-                    st.tokens_sent, st.done = len(c.token_ids), finished
-                    if text or deltas or finished or lps is not None:
-                        choices.append(ChatStreamChoice(
-                            index=c.index, delta=DeltaMessage(content=text if text or not deltas else None,
-                                                              tool_calls=deltas),
-                            logprobs=lps, finish_reason=finish, stop_reason=c.stop_reason))
-                if choices:
-                    yield chunk(choices, self._usage(job, {0: out}) if job.continuous_usage else None)
-            if job.include_usage:
-                yield chunk([], self._usage(job, finals))
-        except EngineError as e:
-            yield f"data: {ApiError(e.status, str(e)).body().model_dump_json()}\n\n"
-        finally:
-            stream.abort()
-        yield _DONE

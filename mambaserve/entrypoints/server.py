@@ -1,8 +1,7 @@
 """`mambaserve serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus), and vLLM's POST /tokenize, POST /detokenize, GET /version.
-Streaming is server-sent events ending with `data: [DONE]`.
+GET /metrics (Prometheus), and vLLM's POST /tokenize, POST /detokenize, GET /version. Streaming is server-sent events ending with `data: [DONE]`.
 
 Every error is OpenAI's {"error": {"message", "type", "param", "code"}}, also those answered
 below the app (`http_protocol`): 400 for invalid parameters, wrong JSON types, malformed JSON or
@@ -30,206 +29,35 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import os
 import socket
-from collections.abc import Awaitable, Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaserve import __version__
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 from mambaserve.entrypoints.async_engine import DEFAULT_MAX_BACKLOG_TOKENS, AsyncEngine
 from mambaserve.entrypoints.constraints import parse_config
+from mambaserve.entrypoints.http_middleware import (DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
+                                                    EventStreamResponse, RequestGuard, check_api_key, error_response,
+                                                    json_response, unless_disconnected, validation_message)
 from mambaserve.entrypoints.http_protocol import DEFAULT_HEADER_TIMEOUT, JsonErrorH11Protocol
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
-from mambaserve.entrypoints.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-)
+from mambaserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from mambaserve.entrypoints.protocol_responses import ModelCard, ModelList
 from mambaserve.entrypoints.tool_parsers import PARSERS as TOOL_PARSERS
 
 logger = logging.getLogger("mambaserve.server")
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_BODY_READ_TIMEOUT = 60.0
 KEEP_ALIVE_TIMEOUT = 5  # seconds an idle keep-alive connection stays open
 MAX_HEADER_BYTES = 16 * 1024  # h11's own default, set explicitly: an over-size header block is a 431
-TOKENIZER_PATHS = ("/tokenize", "/detokenize")
-
-
-# ---------------------------------------------------------------------------- HTTP plumbing
-def _json(status: int, body: str, headers: dict | None = None) -> Response:
-    return Response(body, status_code=status, media_type="application/json", headers=headers)
-
-
-def error_response(err: ApiError, close: bool = False) -> Response:
-    """The JSON response of an ApiError; close: ask to close the connection (its request is
-    unfinished on the wire)."""
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else {}
-    if close:
-        headers["Connection"] = "close"
-    return _json(err.status, err.body().model_dump_json(), headers or None)
-
-
-def check_api_key(key: str | None) -> None:
-    """Raise ValueError unless `key` (None: no key) can be sent in an HTTP header: printable ASCII,
-    no spaces. Header values are bytes that clients encode as they like (most as latin-1 or
-    UTF-8); a key outside ASCII could match in one client and never in another."""
-    if key is None:
-        return
-    if not key or not all(0x21 <= ord(c) <= 0x7E for c in key):
-        raise ValueError("--api-key (or $MAMBASERVE_API_KEY) must be printable ASCII without spaces, as an HTTP "
-                         "header carries it; got " + ("an empty key" if not key else "a key with other characters"))
-
-
-class _Guard:
-    """ASGI middleware run before routing and body parsing: the API key of /v1 paths (and of
-    /tokenize, /detokenize when `protect_tokenizer`; 401), then the request body: its size (413)
-    and its arrival within `body_timeout` seconds (408); it is read here and replayed."""
-
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, protect_tokenizer: bool = False,
-                 body_timeout: float = DEFAULT_BODY_READ_TIMEOUT):
-        check_api_key(api_key)
-        self.app, self.max_body_bytes = app, max_body_bytes
-        self.api_key = api_key.encode("ascii") if api_key else None
-        self.protect_tokenizer, self.body_timeout = protect_tokenizer, body_timeout
-
-    def _needs_key(self, path: str) -> bool:
-        return path.startswith("/v1") or (self.protect_tokenizer and path in TOKENIZER_PATHS)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and self._needs_key(scope["path"]):
-            # compared as the bytes that came (the key is ASCII: see check_api_key)
-            auth = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(token, self.api_key):
-                err = ApiError(401, "Incorrect or missing API key (send 'Authorization: Bearer KEY').",
-                               code="invalid_api_key")
-                return await error_response(err)(scope, receive, send)
-        length = headers.get("content-length")  # h11 refuses a non-numeric one before the app (http_protocol)
-        if length is not None:
-            if not length.isdigit():
-                return await error_response(ApiError(400, "invalid Content-Length"))(scope, receive, send)
-            if int(length) > self.max_body_bytes:
-                return await self._too_large(scope, receive, send)
-        if scope["method"] not in ("POST", "PUT", "PATCH"):
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        deadline = asyncio.get_running_loop().time() + self.body_timeout
-        while True:
-            try:
-                msg = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
-            except asyncio.TimeoutError:
-                err = ApiError(408, f"the request body did not arrive within {self.body_timeout:g} s",
-                               code="body_timeout")
-                return await error_response(err, close=True)(scope, receive, send)
-            if msg["type"] == "http.disconnect":
-                return None  # the client left before sending its body
-            body = msg.get("body", b"")
-            size += len(body)
-            if size > self.max_body_bytes:
-                return await self._too_large(scope, receive, send)
-            chunks.append(body)
-            if not msg.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-    async def _too_large(self, scope, receive, send):
-        err = ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes",
-                       code="request_too_large")
-        return await error_response(err)(scope, receive, send)
-
-
-class EventStreamResponse(StreamingResponse):
-    """Server-sent events that stop as soon as the client disconnects (whatever ASGI version
-    the server speaks): `on_close` runs then, or when the stream ends, and aborts the request."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content, on_close: Callable[[], None]):
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send):
-        sending = asyncio.ensure_future(self.stream_response(send))
-        watching = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait({sending, watching}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self._on_close()
-            for task in (sending, watching):
-                task.cancel()
-            await asyncio.gather(sending, watching, return_exceptions=True)
-            await self.body_iterator.aclose()
-        if sending.done() and not sending.cancelled() and sending.exception() is not None:
-            exc = sending.exception()
-            if not isinstance(exc, OSError):  # OSError: the client went away mid-send
-                logger.error("stream failed", exc_info=exc)
-
-
-async def _wait_disconnect(receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable, on_disconnect: Callable[[], None]) -> Response:
-    """Await `work` (a pydantic model) unless the client disconnects first; then call
-    `on_disconnect` (which aborts the request) and answer nobody."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
-    done = False
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        done = task.done()
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            on_disconnect()
-    if not done:
-        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
-    return _json(200, task.result().model_dump_json())
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
-    if not errors:
-        return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    named = getattr(first.get("ctx", {}).get("error"), "param", None)  # a field a model validator refused
-    param = ".".join(loc + ([named] if named else [])) or None
-    msgs = []
-    for e in errors[:5]:
-        where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        msgs.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
-    return "; ".join(msgs), param
 
 
 # ---------------------------------------------------------------------------- the app
@@ -253,7 +81,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     app = FastAPI(title="mambaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     check_api_key(api_key)
-    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, protect_tokenizer=protect_tokenizer,
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, protect_tokenizer=protect_tokenizer,
                        body_timeout=body_timeout)
     app.state.serving = serving
 
@@ -263,7 +91,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        message, param = _validation_message(exc)
+        message, param = validation_message(exc)
         return error_response(ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -280,7 +108,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         """200 while the engine loop runs, 503 otherwise."""
         if not engine.is_running:
             return error_response(ApiError(503, "the engine loop is not running"))
-        return _json(200, "{}")
+        return json_response(200, "{}")
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -289,7 +117,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     @app.get("/v1/models")
     async def models():
         card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
-        return _json(200, ModelList(data=[card]).model_dump_json())
+        return json_response(200, ModelList(data=[card]).model_dump_json())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
@@ -298,19 +126,19 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             return error_response(ApiError(404, f"The model `{model_id}` does not exist.", type="not_found_error",
                                            param="model", code="model_not_found"))
         card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
-        return _json(200, card.model_dump_json())
+        return json_response(200, card.model_dump_json())
 
     @app.get("/version")
     async def version():
-        return _json(200, json.dumps({"version": __version__}))
+        return json_response(200, json.dumps({"version": __version__}))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return _json(200, (await serving.tokenize(body)).model_dump_json())
+        return json_response(200, (await serving.tokenize(body)).model_dump_json())
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return _json(200, (await serving.detokenize(body)).model_dump_json())
+        return json_response(200, (await serving.detokenize(body)).model_dump_json())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -318,7 +146,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         stream = await serving.submit(job)
         if job.stream:
             return EventStreamResponse(serving.completion_events(job, stream), on_close=stream.abort)
-        return await _unless_disconnected(request, serving.completion_response(job, stream), stream.abort)
+        return await unless_disconnected(request, serving.completion_response(job, stream), stream.abort)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -326,7 +154,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         stream = await serving.submit(job)
         if job.stream:
             return EventStreamResponse(serving.chat_events(job, stream), on_close=stream.abort)
-        return await _unless_disconnected(request, serving.chat_response(job, stream), stream.abort)
+        return await unless_disconnected(request, serving.chat_response(job, stream), stream.abort)
 
     return app
 

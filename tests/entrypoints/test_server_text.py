@@ -93,7 +93,7 @@ def test_top_logprobs_one_entry_per_token(setup, echo):
 
 
 def test_colliding_labels_keep_every_entry_and_its_value():
-    from mambaserve.entrypoints.openai_serving import top_logprobs_by_label
+    from mambaserve.entrypoints.serving_common import top_logprobs_by_label
     from mambaserve.sampling_params import Logprob
 
     # the actual token (7, rank 9) first, as the engine orders them; 3 and 5 read alike
