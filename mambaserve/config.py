@@ -106,7 +106,22 @@ class EngineConfig:
 
     vLLM options taken so that a vLLM call or command line moves over unchanged, at the values
     this engine implements (other values raise ValueError saying so): kv_cache_dtype "auto"
-    (the model dtype), quantization None; trust_remote_code is passed to the tokenizer's loading.
+    (the model dtype), quantization None, tokenizer_mode "auto" or
+    "slow" (the slow Python tokenizer), pipeline_parallel_size and data_parallel_size 1;
+    trust_remote_code is passed to the tokenizer's loading. swap_space (GiB of CPU swap for
+    preempted KV blocks) is accepted and has no effect: preempted requests are recomputed.
+
+    model (and tokenizer) may be a Hugging Face model id, read from the local Hugging Face cache
+    (download_dir, else $HF_HOME's) at `revision`, downloaded when missing unless
+    HF_HUB_OFFLINE=1 (`mambaserve.hub`); `model` then holds the snapshot folder.
+    max_model_len above the model's max_position_embeddings is refused unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's switch). max_logprobs: most logprobs and
+    prompt_logprobs a request may ask for (-1: the vocabulary). generation_config: "auto" reads
+    the checkpoint's generation_config.json (end tokens, default sampling parameters), "vllm"
+    reads none, a folder reads that folder's. disable_log_stats: no periodic stats lines (the
+    `LLM` sets it, as vLLM's does). cpu_num_threads: torch's intra-op threads on the CPU (default:
+    $OMP_NUM_THREADS when set, else 1: cores shared with other work make more threads fall off
+    a cliff, see `engine.model_runner.set_cpu_threads`).
     """
 
     model: str = field(default_factory=default_model)
@@ -138,11 +153,31 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     mamba_block_size: int | None = None
     num_state_checkpoints: int | None = None
+    revision: str | None = None
+    download_dir: str | None = None
+    tokenizer_mode: str = "auto"
+    swap_space: float | None = None
+    max_logprobs: int = 20
+    generation_config: str = "auto"
+    disable_log_stats: bool = False
+    cpu_num_threads: int | None = None
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
-        self.model = os.fspath(self.model)
-        if not os.path.exists(self.model):
-            raise ValueError(f"model path {self.model!r} does not exist")
+        from mambaserve.hub import resolve_model_path
+
+        self.model = resolve_model_path(os.fspath(self.model), self.revision, self.download_dir)
+        if self.tokenizer is not None:
+            self.tokenizer = resolve_model_path(os.fspath(self.tokenizer), self.revision, self.download_dir)
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
+        if self.cpu_num_threads is not None and self.cpu_num_threads < 1:
+            raise ValueError(f"cpu_num_threads must be >= 1, got {self.cpu_num_threads}")
+        if self.swap_space is not None and self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0, got {self.swap_space}")
+        if self.generation_config not in ("auto", "vllm") and not os.path.isdir(self.generation_config):
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
@@ -173,6 +208,12 @@ class EngineConfig:
         unsupported = {
             "kv_cache_dtype": (self.kv_cache_dtype != "auto", "the KV cache is kept in the model dtype"),
             "quantization": (self.quantization is not None, "quantized checkpoints are not supported yet"),
+            "tokenizer_mode": (self.tokenizer_mode not in ("auto", "slow"),
+                               "only 'auto' (transformers' fast tokenizer) and 'slow' are implemented"),
+            "pipeline_parallel_size": (self.pipeline_parallel_size != 1,
+                                       "pipeline parallelism is not implemented (tensor_parallel_size splits a model)"),
+            "data_parallel_size": (self.data_parallel_size != 1,
+                                   "one engine per process: run one server per replica behind a load balancer"),
         }
         for name, (bad, why) in unsupported.items():
             if bad:

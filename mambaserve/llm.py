@@ -21,12 +21,16 @@ class LLM:
     model: checkpoint directory (default: the bundled demo model) or a config .json with
     load_format="dummy". Other keyword arguments are `EngineConfig` fields (dtype, load_format,
     max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization, seed,
-    enforce_eager, skip_tokenizer_init, ...). Raises ValueError for bad options.
+    enforce_eager, skip_tokenizer_init, revision, download_dir, max_logprobs, generation_config,
+    ...): a model may be a Hugging Face model id (`mambaserve.hub`). disable_log_stats is True
+    unless given, as in vLLM's LLM. Raises ValueError for bad options, TypeError for unknown
+    keywords.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
         if model is not None:
             kwargs["model"] = model
+        kwargs.setdefault("disable_log_stats", True)
         self.llm_engine = LLMEngine(EngineConfig(**kwargs))
 
     @classmethod
@@ -38,6 +42,15 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the defaults of the checkpoint's generation_config.json (temperature,
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), as vLLM's; plain
+        SamplingParams() with generation_config="vllm" or none set. `generate` and `chat` use
+        it when given no sampling params."""
+        from mambaserve.engine.input_processor import generation_config_folder, generation_sampling_defaults
+
+        return SamplingParams(**generation_sampling_defaults(generation_config_folder(self.llm_engine.config)))
 
     def chat(
         self,
@@ -88,7 +101,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -16,10 +16,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the "engine" argument group: one flag per EngineConfig field a user sets."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=default_model(),
-                   help="checkpoint directory, or a config .json with --load-format dummy (default: the bundled "
-                        "demo model)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+                   help="checkpoint directory, Hugging Face model id (read from the local Hugging Face cache, "
+                        "downloaded unless HF_HUB_OFFLINE=1), or a config .json with --load-format dummy "
+                        "(default: the bundled demo model)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer directory or model id (default: the model's)")
+    g.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face model id (default: main)")
+    g.add_argument("--download-dir", default=None,
+                   help="Hugging Face cache folder for model ids (default: $HF_HOME/hub)")
+    g.add_argument("--tokenizer-mode", default="auto", choices=["auto", "slow", "mistral", "custom"],
+                   help="auto: the fast tokenizer; slow: the Python one (mistral and custom are refused)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--seed", type=int, default=0)
@@ -37,10 +43,25 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compilation-mode", default=None, choices=COMPILATION_MODES)
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None)
     g.add_argument("--skip-tokenizer-init", action="store_true")
-    g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts over steps (default on)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many GPUs (or CPU processes), one process each (default 1)")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / prompt_logprobs a request may ask for (-1: the vocabulary; default 20)")
+    g.add_argument("--generation-config", default="auto",
+                   help="auto: the checkpoint's generation_config.json gives end tokens and default sampling "
+                        "parameters; vllm: none; or a folder to read it from")
+    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats lines in the log")
+    g.add_argument("--cpu-num-threads", type=int, default=None,
+                   help="torch threads on the CPU (default: $OMP_NUM_THREADS, else 1: steady on shared cores)")
     # vLLM's flags, at the values this engine implements (others are refused with the reason)
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="1 only: no pipeline parallelism")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="1 only: one engine per process (run one server per replica)")
+    g.add_argument("--swap-space", type=float, default=None,
+                   help="accepted for vLLM command lines and has no effect: preempted requests are recomputed, "
+                        "never swapped to CPU memory")
     g.add_argument("--trust-remote-code", action="store_true", help="passed to the tokenizer's loading")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only: the model dtype")
     g.add_argument("--quantization", "-q", default=None, help="none supported yet")

@@ -44,24 +44,57 @@ def load_tokenizer(config: EngineConfig):
 
     path = config.tokenizer or config.model
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=config.trust_remote_code,
+                                             use_fast=config.tokenizer_mode != "slow")
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds
         raise ValueError(f"could not load a tokenizer from {path!r} "
                          f"(use skip_tokenizer_init=True for token ids only): {e}") from e
 
 
-def generation_config_eos_ids(model_dir: str) -> list[int]:
-    """eos_token_id of the checkpoint's generation_config.json (an id or a list), or [] when
-    there is none or it is unreadable (logged)."""
-    path = os.path.join(model_dir, "generation_config.json")
-    if not os.path.isfile(path):
-        return []
+def generation_config_folder(config: EngineConfig) -> str | None:
+    """Where generation_config.json is read from (vLLM's generation_config): "auto" the model's
+    folder, "vllm" none (None), else the folder named."""
+    if config.generation_config == "vllm":
+        return None
+    return config.model if config.generation_config == "auto" else config.generation_config
+
+
+def read_generation_config(model_dir: str | None) -> dict:
+    """The generation_config.json of `model_dir` as a dict; {} when there is none (or no folder),
+    or it is unreadable (logged)."""
+    path = os.path.join(model_dir, "generation_config.json") if model_dir else None
+    if path is None or not os.path.isfile(path):
+        return {}
     try:
         with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-    except (OSError, ValueError, AttributeError) as e:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+        return data
+    except (OSError, ValueError) as e:
         logger.warning("ignoring unreadable %s: %s", path, e)
-        return []
+        return {}
+
+
+# generation_config.json keys vLLM takes as the default sampling parameters, by SamplingParams name
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_sampling_defaults(model_dir: str | None) -> dict:
+    """The default sampling parameters a checkpoint's generation_config.json sets ({SamplingParams
+    field: value}), as vLLM applies them to requests that leave them unset; do_sample is not read
+    (as in vLLM)."""
+    data = read_generation_config(model_dir)
+    return {name: data[key] for key, name in GENERATION_DEFAULTS.items()
+            if isinstance(data.get(key), (int, float)) and not isinstance(data.get(key), bool)}
+
+
+def generation_config_eos_ids(model_dir: str | None) -> list[int]:
+    """eos_token_id of the checkpoint's generation_config.json (an id or a list), or [] when
+    there is none or it is unreadable (logged)."""
+    eos = read_generation_config(model_dir).get("eos_token_id")
+    path = os.path.join(model_dir or "", "generation_config.json")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
         logger.warning("ignoring eos_token_id %r of %s: not token ids", eos, path)
@@ -92,7 +125,9 @@ class InputProcessor:
         if tok_eos is not None and tok_eos not in ids:
             ids.append(int(tok_eos))
         self.eos_token_ids: list[int] = ids
-        self.extra_eos_token_ids: list[int] = [t for t in generation_config_eos_ids(config.model) if t not in ids]
+        self.extra_eos_token_ids: list[int] = [t for t in generation_config_eos_ids(generation_config_folder(config))
+                                              if t not in ids]
+        self.max_logprobs = vocab_size if config.max_logprobs == -1 else config.max_logprobs
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of a text prompt. Raises ValueError without a tokenizer."""
@@ -137,6 +172,11 @@ class InputProcessor:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if any(t >= vocab for t in params.biased_token_ids()):
             raise ValueError(f"logit_bias and allowed_token_ids must name token ids in [0, {vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.max_logprobs:
+                raise ValueError(f"SamplingParams.{name}={asked} is more than max_logprobs={self.max_logprobs} (the "
+                                 "engine's max_logprobs sets the limit, as in vLLM)")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                              "(prompt plus at least one generated token)")

@@ -36,6 +36,7 @@ from mambaserve.engine.model_runner import ModelRunner, StepLogits
 from mambaserve.engine.output_processor import OutputProcessor
 from mambaserve.engine.sampler import PendingSample, Sampler
 from mambaserve.engine.scheduler import ScheduledSequence, Scheduler
+from mambaserve.engine.stat_logger import StatLogger, log_startup_summary
 from mambaserve.engine.stats import EngineStats, EngineUsage, MemoryUsage
 from mambaserve.outputs import RequestOutput
 from mambaserve.sampling_params import SamplingParams
@@ -92,6 +93,8 @@ class LLMEngine:
         self.stats = EngineStats()
         self._counter = itertools.count()
         self._inflight: _Step | None = None  # a decode step launched ahead (async scheduling)
+        self._stat_logger = None if config.disable_log_stats else StatLogger()
+        log_startup_summary(self)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -176,6 +179,8 @@ class LLMEngine:
             self._inflight = self._launch_next(step)  # the next decode, before this step's tokens are read
         outputs = self._update(step)  # wait for the tokens: update sequences, stop, build outputs
         self.stats.record_step(step.result.path, step.scheduled, step.fed_tokens, time.perf_counter() - t0)
+        if self._stat_logger is not None:
+            self._stat_logger.maybe_log(self.usage)
         return outputs
 
     def _take_inflight(self) -> _Step | None:

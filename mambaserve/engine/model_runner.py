@@ -11,6 +11,7 @@ sizes the pools from it). It knows nothing of sampling or stopping.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -25,9 +26,38 @@ from mambaserve.engine.sequence import Sequence
 from mambaserve.engine.stats import MemoryUsage
 from mambaserve.engine.step_input import StepInput, share_step
 from mambaserve.forward_context import ForwardContext
-from mambaserve.loader import DTYPES, load_model
+from mambaserve.loader import DTYPES, load_config, load_model
 
 logger = logging.getLogger("mambaserve")
+
+
+def set_cpu_threads(requested: int | None) -> int:
+    """Set torch's intra-op threads for a CPU engine and return the count: `requested`, else
+    $OMP_NUM_THREADS when set (torch read it already), else 1. Why 1: the Quick start's 64
+    tokens took 0.6-1.1 s with one thread and, with torch's default of one thread per core, now
+    and then 11-50 s on a 2-core machine shared with other work (a step's threads wait for each
+    other at every op, and one of them on a core that is busy); a model small enough for a CPU
+    gains little from more."""
+    if requested is None and os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    n = requested or 1
+    torch.set_num_threads(n)
+    return n
+
+
+def check_max_model_len(max_model_len: int | None, model_config) -> None:
+    """Refuse a max_model_len past the model's max_position_embeddings (ValueError), as vLLM
+    does, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: positions past what the model was trained on
+    may give wrong outputs. A model without that field (pure Mamba) has no limit."""
+    limit = getattr(model_config, "max_position_embeddings", None)
+    if max_model_len is None or not limit or max_model_len <= limit:
+        return
+    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower() in ("1", "true"):
+        logger.warning("max_model_len=%d is above the model's max_position_embeddings=%d "
+                       "(allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs past it may be wrong", max_model_len, limit)
+        return
+    raise ValueError(f"max_model_len={max_model_len} is longer than the model's max_position_embeddings={limit}; "
+                     "set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it (outputs past the model's positions may be wrong)")
 
 
 @dataclass
@@ -69,6 +99,9 @@ class ModelRunner:
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda" and group.world_size > 1:
             self.device = torch.device("cuda", group.local_rank)
+        if self.device.type == "cpu":
+            self.cpu_threads = set_cpu_threads(config.cpu_num_threads)
+        check_max_model_len(config.max_model_len, load_config(config.model))
         t0 = time.perf_counter()
         self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         self.model = load_model(config.model, dtype=config.dtype, device=self.device,
@@ -82,16 +115,19 @@ class ModelRunner:
         self.has_attention = self.spec.has_attention
         self.block_size = config.block_size
         self.vocab_size = self.model.config.vocab_size
-        logger.info("loaded %s in %.1f s", type(self.model).__name__, time.perf_counter() - t0)
+        self.load_seconds = time.perf_counter() - t0
+        logger.debug("loaded %s in %.1f s", type(self.model).__name__, self.load_seconds)
         self._size_caches()
         self.caches = allocate_caches(self.spec, num_slots=self.num_slots, num_blocks=max(self.num_blocks, 1),
                                       block_size=self.block_size, device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
         self.decode_graphs = self.piecewise_graphs = None
+        t0 = time.perf_counter()
         if self.compilation_mode in ("piecewise", "full_and_piecewise"):
             self._capture_piecewise_graphs()
         if self.compilation_mode == "full_and_piecewise":
             self._capture_decode_graphs()
+        self.graph_capture_seconds = time.perf_counter() - t0 if self.compilation_mode != "eager" else None
 
     def _piecewise_sizes(self) -> list[int]:
         """Token counts of the piecewise graphs: up to the step budget, or to the model's own
@@ -190,7 +226,7 @@ class ModelRunner:
                               {id(p): p for p in self.model.parameters()}.values()),
             state_cache_bytes=self.num_slots * slot_bytes,
             kv_cache_bytes=self.num_blocks * block_bytes)
-        logger.info("caches: %d state slots (%.1f MiB each), %d KV blocks of %d tokens", self.num_slots,
+        logger.debug("caches: %d state slots (%.1f MiB each), %d KV blocks of %d tokens", self.num_slots,
                     slot_bytes / 2**20, self.num_blocks, self.block_size)
 
     # ---------------------------------------------------------------- step
