@@ -37,7 +37,7 @@ import torch
 from mambaserve.benchmarks.common import args_record, environment_info, has_tokenizer, write_json
 from mambaserve.benchmarks.datasets import BenchRequest, build_requests, random_token_ids
 from mambaserve.benchmarks.latency import latency_record, print_latency
-from mambaserve.benchmarks.throughput import add_dataset_args, print_throughput, throughput_record
+from mambaserve.benchmarks.throughput import add_dataset_args, print_throughput, resolve_dataset, throughput_record
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None, net=None) -> int:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(tok_path)
-            requests = build_requests(args.dataset, args.num_prompts, vocab_size=net.config.vocab_size,
+            requests = build_requests(resolve_dataset(args), args.num_prompts, vocab_size=net.config.vocab_size,
                                       tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
                                       range_ratio=args.random_range_ratio, seed=args.seed)
             rec = {"dataset": args.dataset, **hf_throughput(net, requests, args, device, tokenizer)}

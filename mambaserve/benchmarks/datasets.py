@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 SYNTHETIC = "sharegpt-synthetic"
 RANDOM = "random"
+SHAREGPT = "sharegpt"  # a ShareGPT file (--dataset-path)
 
 # ShareGPT filtering as vLLM's benchmarks do it: drop very short pairs and long ones.
 MIN_LEN = 4

@@ -1,4 +1,8 @@
-"""`mambaserve bench serve`: load-test any OpenAI-compatible completions server over HTTP.
+"""`mambaserve bench serve`: load-test any OpenAI-compatible server over HTTP, with vLLM's flags:
+--backend vllm or openai (POST /v1/completions) or openai-chat (POST /v1/chat/completions, the
+prompt as one user message: random token ids are decoded to text with the tokenizer first), an
+API key from $OPENAI_API_KEY on every request (the model listing too), results saved with
+--save-result [--result-dir DIR] [--result-filename NAME] (or --output-json PATH).
 
 Requests are sent with `stream: true` at a Poisson (or gamma, with --burstiness) arrival rate,
 at most --max-concurrency in flight; each response is read as server-sent events ("data: {json}"
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 
 from mambaserve.benchmarks.common import args_record, environment_info, write_json
 from mambaserve.benchmarks.datasets import BenchRequest, build_requests
-from mambaserve.benchmarks.throughput import add_dataset_args
+from mambaserve.benchmarks.throughput import add_dataset_args, resolve_dataset
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +34,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="server URL, e.g. http://127.0.0.1:8000 (overrides --host/--port)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--backend", default="vllm", choices=list(BACKENDS),
+                        help="vllm and openai: the completions API; openai-chat: the chat completions API")
+    parser.add_argument("--endpoint", default=None,
+                        help="API path (default: /v1/completions, or /v1/chat/completions for openai-chat)")
+    parser.add_argument("--label", default=None, help="the results' label (default: --backend)")
     parser.add_argument("--model", default=None,
                         help="model name sent in requests (default: the first of GET /v1/models); a local checkpoint "
                              "or config path also gives the vocabulary size and tokenizer")
@@ -51,9 +59,22 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="send ignore_eos (a vLLM extension) so outputs reach max_tokens")
     parser.add_argument("--request-timeout", type=float, default=6 * 3600, help="seconds before a request is abandoned")
-    parser.add_argument("--output-json", default=None, help="write the results record here")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                        help="metrics whose percentiles are reported: a comma list of ttft, tpot, itl, e2el")
+    parser.add_argument("--metric-percentiles", default="99", help="percentiles reported, e.g. 25,50,75,99")
+    parser.add_argument("--save-result", action="store_true", help="write the results record to a JSON file")
+    parser.add_argument("--result-dir", default=None, help="folder of --save-result (default: the current one)")
+    parser.add_argument("--result-filename", default=None,
+                        help="file name of --save-result (default: {label}-{rate}qps[-concurrency{n}]-{model}-{time}.json)")
+    parser.add_argument("--output-json", default=None, help="write the results record to this path (older spelling)")
     parser.add_argument("--save-detailed", action="store_true", help="also record every request's lengths and timings")
     parser.add_argument("--disable-tqdm", action="store_true")
+
+
+# --backend -> (default endpoint, payload kind)
+BACKENDS = {"vllm": ("/v1/completions", "completions"), "openai": ("/v1/completions", "completions"),
+            "openai-chat": ("/v1/chat/completions", "chat")}
+METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 @dataclass
@@ -105,7 +126,8 @@ async def stream_completion(session, url: str, payload: dict, prompt_len: int) -
                         res.itl.append(now - last)
                     last = now
                     res.num_chunks += 1
-                    res.text += choices[0].get("text") or ""
+                    delta = choices[0].get("delta")  # a chat chunk; a completions chunk has text
+                    res.text += (delta.get("content") if isinstance(delta, dict) else choices[0].get("text")) or ""
         res.latency = time.perf_counter() - t0
         res.success = res.num_chunks > 0
         if not res.success:
@@ -116,8 +138,11 @@ async def stream_completion(session, url: str, payload: dict, prompt_len: int) -
 
 
 def _payload(model: str, req: BenchRequest, args: argparse.Namespace) -> dict:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": args.temperature,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if BACKENDS[args.backend][1] == "chat":
+        body.update(messages=[{"role": "user", "content": req.prompt}], max_completion_tokens=req.output_len)
+    else:
+        body.update(prompt=req.prompt, max_tokens=req.output_len)
     if args.ignore_eos:
         body["ignore_eos"] = True
     return body
@@ -131,7 +156,7 @@ async def run_load(requests: list[BenchRequest], url: str, model: str,
     import aiohttp
     import numpy as np
 
-    headers = {"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"} if os.environ.get("OPENAI_API_KEY") else {}
+    headers = auth_headers()
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
     connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
     rng = np.random.default_rng(args.seed)
@@ -171,9 +196,17 @@ async def run_load(requests: list[BenchRequest], url: str, model: str,
     return list(results), duration
 
 
-def serve_record(results: list[RequestResult], duration: float, tokenizer=None, detailed: bool = False) -> dict:
-    """Aggregate per-request results: counts, throughput, and TTFT/TPOT/ITL/E2EL statistics (ms);
-    with `detailed`, also the per-request lengths and timings (seconds)."""
+def auth_headers() -> dict:
+    """The API key of $OPENAI_API_KEY as a bearer token (vLLM's client sends it so), or none."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def serve_record(results: list[RequestResult], duration: float, tokenizer=None, detailed: bool = False,
+                 percentiles: tuple[float, ...] = (99,)) -> dict:
+    """Aggregate per-request results: counts, throughput, and TTFT/TPOT/ITL/E2EL statistics (ms:
+    mean, median, std and each of `percentiles`, as p{q}_{metric}_ms); with `detailed`, also the
+    per-request lengths and timings (seconds)."""
     import numpy as np
 
     ok = [r for r in results if r.success]
@@ -202,7 +235,8 @@ def serve_record(results: list[RequestResult], duration: float, tokenizer=None, 
         a = np.asarray(xs, dtype=np.float64) * 1e3
         for stat, fn in (("mean", np.mean), ("median", np.median), ("std", np.std)):
             rec[f"{stat}_{name}_ms"] = float(fn(a)) if a.size else 0.0
-        rec[f"p99_{name}_ms"] = float(np.percentile(a, 99)) if a.size else 0.0
+        for q in sorted(set(percentiles) | {99}):
+            rec[f"p{q:g}_{name}_ms"] = float(np.percentile(a, q)) if a.size else 0.0
     rec["errors"] = [r.error for r in results if not r.success][:20]
     if detailed:
         rec.update({"input_lens": [r.prompt_len for r in ok], "output_lens": out_lens, "ttfts": series["ttft"],
@@ -210,7 +244,7 @@ def serve_record(results: list[RequestResult], duration: float, tokenizer=None, 
     return rec
 
 
-def print_serve(rec: dict) -> None:
+def print_serve(rec: dict, metrics: tuple[str, ...] = ("ttft", "tpot", "itl"), percentiles=(99,)) -> None:
     w = 44
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=w + 12, c="="))
     for label, key, fmt in (("Successful requests:", "completed", "d"), ("Failed requests:", "failed", "d"),
@@ -221,11 +255,12 @@ def print_serve(rec: dict) -> None:
                             ("Output token throughput (tok/s):", "output_throughput", ".2f"),
                             ("Total token throughput (tok/s):", "total_token_throughput", ".2f")):
         print(f"{label:<{w}}{rec[key]:>12{fmt}}")
-    for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-                        ("itl", "Inter-token Latency")):
-        print("{s:{c}^{n}}".format(s=title, n=w + 12, c="-"))
-        for stat in ("mean", "median", "p99"):
-            label = f"{stat.capitalize() if stat != 'p99' else 'P99'} {name.upper()} (ms):"
+    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for name in metrics:
+        print("{s:{c}^{n}}".format(s=titles[name], n=w + 12, c="-"))
+        for stat in ("mean", "median", *(f"p{q:g}" for q in percentiles)):
+            label = f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {name.upper()} (ms):"
             print(f"{label:<{w}}{rec[f'{stat}_{name}_ms']:>12.2f}")
     print("=" * (w + 12))
 
@@ -255,16 +290,50 @@ def _vocab_size(args: argparse.Namespace, tokenizer, local_model: str | None) ->
 
 async def _first_model(base_url: str) -> tuple[str, str | None]:
     """The first model the server lists: its id, and its "root" (the path it was loaded from,
-    as vLLM and mambaserve report it), if any."""
+    as vLLM and mambaserve report it), if any. Sends the API key, as every request does."""
     import aiohttp
 
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), headers=auth_headers()) as s:
             async with s.get(base_url + "/v1/models") as resp:
+                if resp.status != 200:
+                    raise ValueError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 first = (await resp.json())["data"][0]
                 return first["id"], first.get("root")
     except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError) as e:
         raise ValueError(f"could not list the models at {base_url}/v1/models ({e}): pass --model") from e
+
+
+def _metric_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """--percentile-metrics and --metric-percentiles, checked (ValueError)."""
+    metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
+    if not metrics or any(m not in METRICS for m in metrics):
+        raise ValueError(f"--percentile-metrics must be a comma list of {', '.join(METRICS)}, got {args.percentile_metrics!r}")
+    try:
+        qs = tuple(float(q) for q in args.metric_percentiles.split(","))
+    except ValueError:
+        qs = ()
+    if not qs or any(not 0 < q <= 100 for q in qs):
+        raise ValueError(f"--metric-percentiles must be a comma list of numbers in (0, 100], got {args.metric_percentiles!r}")
+    return metrics, qs
+
+
+def _result_path(args: argparse.Namespace, model: str) -> str | None:
+    """Where the record goes: --output-json, else with --save-result --result-dir/--result-filename
+    (vLLM's default name: label, rate, concurrency, model, time)."""
+    if args.output_json:
+        return args.output_json
+    if not args.save_result:
+        return None
+    import datetime
+
+    name = args.result_filename
+    if name is None:
+        rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+        conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        name = f"{args.label or args.backend}-{rate}qps{conc}-{os.path.basename(model.rstrip('/'))}-{stamp}.json"
+    return os.path.join(args.result_dir or ".", name)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -278,22 +347,39 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("--request-rate and --burstiness must be > 0")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    metrics, qs = _metric_args(args)
+    args.endpoint = args.endpoint or BACKENDS[args.backend][0]
+    resolve_dataset(args)
     model, root = args.served_model_name or args.model, None
     if model is None:
         model, root = asyncio.run(_first_model(base_url))
+    elif not os.path.exists(args.model or ""):
+        try:  # the server's root may be a local checkpoint: its vocabulary and tokenizer
+            root = asyncio.run(_first_model(base_url))[1]
+        except ValueError:
+            root = None  # a server that does not list its models: --tokenizer or --vocab-size then
     # a checkpoint or config on this machine (--model, or the server's root) gives vocabulary and tokenizer
     local_model = next((m for m in (args.model, root) if m and os.path.exists(m)), None)
     tokenizer = _tokenizer_for(args, local_model)
     requests = build_requests(args.dataset, args.num_prompts, vocab_size=_vocab_size(args, tokenizer, local_model),
                               tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
                               range_ratio=args.random_range_ratio, seed=args.seed)
+    if BACKENDS[args.backend][1] == "chat":  # a chat message is text: token-id prompts are decoded first
+        if tokenizer is None and any(isinstance(r.prompt, list) for r in requests):
+            raise ValueError(f"--backend {args.backend} sends text: pass --tokenizer (or a --model with one) to turn "
+                             "the dataset's random token ids into text")
+        for r in requests:
+            if isinstance(r.prompt, list):
+                r.prompt = tokenizer.decode(r.prompt)
     results, duration = asyncio.run(run_load(requests, base_url + args.endpoint, model, args))
-    rec = serve_record(results, duration, tokenizer, detailed=args.save_detailed)
-    print_serve(rec)
-    if args.output_json:
+    rec = serve_record(results, duration, tokenizer, detailed=args.save_detailed, percentiles=qs)
+    print_serve(rec, metrics, qs)
+    path = _result_path(args, model)
+    if path:
         record = {"benchmark": "serve", "environment": environment_info(device="cpu"), "role": "client",
-                  "args": args_record(args), "base_url": base_url, "endpoint": args.endpoint, "model": model,
-                  "dataset": args.dataset, "num_prompts": len(requests), "request_rate": args.request_rate,
+                  "args": args_record(args), "backend": args.backend, "label": args.label or args.backend,
+                  "base_url": base_url, "endpoint": args.endpoint, "model": model, "dataset": args.dataset,
+                  "num_prompts": len(requests), "request_rate": args.request_rate,
                   "max_concurrency": args.max_concurrency, **rec}
-        write_json(args.output_json, record)
+        write_json(path, record)
     return 0

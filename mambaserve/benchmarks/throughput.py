@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
 
 from mambaserve.benchmarks.common import (
@@ -21,27 +22,61 @@ from mambaserve.benchmarks.common import (
     resolve_skip_tokenizer,
     write_json,
 )
-from mambaserve.benchmarks.datasets import RANDOM, SYNTHETIC, BenchRequest, build_requests
+from mambaserve.benchmarks.datasets import RANDOM, SHAREGPT, SYNTHETIC, BenchRequest, build_requests
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 
 
+DATASET_NAMES = (SYNTHETIC, RANDOM, SHAREGPT)
+
+
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
-    """--dataset and its companions (shared by `bench throughput` and `bench serve`)."""
-    parser.add_argument("--dataset", default=SYNTHETIC,
-                        help=f"'{SYNTHETIC}' (built-in ShareGPT-shaped lengths, random token ids; default), "
-                             f"'{RANDOM}' (random token ids of --input-len/--output-len), or a ShareGPT-format JSON "
-                             "file")
+    """vLLM's dataset flags (shared by `bench throughput` and `bench serve`): --dataset-name with
+    --dataset-path, and the older --dataset (a name or a ShareGPT file)."""
+    parser.add_argument("--dataset-name", default=None, choices=DATASET_NAMES,
+                        help=f"'{SYNTHETIC}' (built-in ShareGPT-shaped lengths, random token ids; the default), "
+                             f"'{RANDOM}' (random token ids of --random-input-len/--random-output-len), "
+                             f"'{SHAREGPT}' (the ShareGPT JSON file of --dataset-path)")
+    parser.add_argument("--dataset-path", default=None, help="the ShareGPT-format JSON file of --dataset-name sharegpt")
+    parser.add_argument("--dataset", default=None,
+                        help="the older spelling: a --dataset-name, or a ShareGPT-format JSON file")
     parser.add_argument("--num-prompts", type=int, default=1000, help="requests in the run")
-    parser.add_argument("--input-len", type=int, default=1024, help="prompt length of --dataset random")
-    parser.add_argument("--output-len", type=int, default=None,
-                        help="output length (default 128 for --dataset random; overrides the dataset's otherwise)")
+    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=None,
+                        help="prompt length of --dataset-name random (default 1024); given without a dataset, it "
+                             "means --dataset-name random (as in vLLM)")
+    parser.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=None,
+                        help="output length (default 128 for --dataset-name random; overrides the dataset's otherwise)")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="--dataset random: lengths uniform in [len*(1-r), len*(1+r)]")
+
+
+def resolve_dataset(args: argparse.Namespace) -> str:
+    """What `build_requests` takes (a built-in name or a ShareGPT file) from --dataset-name,
+    --dataset-path and the older --dataset; sets args.dataset to it (the record's "dataset").
+    Raises ValueError for sharegpt without a file, or a --dataset that is neither name nor file."""
+    name, path, old = args.dataset_name, args.dataset_path, args.dataset
+    if old is not None and name is None:
+        name, path = (old, path) if old in DATASET_NAMES else (SHAREGPT, old)
+    name = name or (SHAREGPT if path else RANDOM if args.input_len is not None else SYNTHETIC)
+    if args.input_len is None:
+        args.input_len = 1024
+    if name == SHAREGPT:
+        if not path:
+            raise ValueError(f"--dataset-name {SHAREGPT} needs --dataset-path FILE (a ShareGPT JSON file); "
+                             f"--dataset-name {SYNTHETIC} draws ShareGPT-shaped lengths without one")
+        if not os.path.isfile(path):
+            raise ValueError(f"the ShareGPT dataset file {path!r} does not exist")
+        args.dataset = path
+    else:
+        args.dataset = name
+    return args.dataset
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
     """Flags of `bench throughput`: dataset flags, output, and the shared engine flags."""
     add_dataset_args(parser)
+    parser.add_argument("--backend", default="vllm", choices=["vllm", "hf", "mii", "vllm-chat"],
+                        help="vllm only (this engine): hf is benchmarks/hf_baseline.py; mii and vllm-chat are refused")
+    parser.add_argument("--n", type=int, default=1, help="completions per prompt")
     parser.add_argument("--num-warmup-prompts", type=int, default=16,
                         help="untimed requests first (the dataset's first ones, at most 16 output tokens each), so "
                              "that kernel compilation is not timed")
@@ -54,14 +89,17 @@ def _prompt(r: BenchRequest):
     return {"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt
 
 
-def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True, num_warmup_prompts: int = 0) -> dict:
+def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True, num_warmup_prompts: int = 0,
+                       n: int = 1) -> dict:
     """Generate all `requests` in one `llm.generate` call, after `num_warmup_prompts` untimed
     ones (the first requests, outputs capped at 16 tokens); returns the measured record fields."""
     from mambaserve.sampling_params import SamplingParams
 
+    num = n
+
     def params_for(r: BenchRequest, cap: int | None = None) -> SamplingParams:
-        n = r.output_len if cap is None else min(cap, r.output_len)
-        return SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=n)
+        k = r.output_len if cap is None else min(cap, r.output_len)
+        return SamplingParams(n=num, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=k)
 
     warm = requests[:max(0, num_warmup_prompts)]
     if warm:
@@ -76,7 +114,7 @@ def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True,
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     output_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     rec = throughput_record(len(outs), elapsed, prompt_tokens, output_tokens,
-                            expected_output_tokens=sum(r.output_len for r in requests))
+                            expected_output_tokens=n * sum(r.output_len for r in requests))
     rec["step_breakdown"] = {k: dataclasses.asdict(b) for k, b in sorted(engine.usage().step_breakdown.items())}
     return rec
 
@@ -111,6 +149,12 @@ def main(args: argparse.Namespace, llm=None) -> int:
     caller; its config is what gets recorded) and the dataset, measure, print, save."""
     from mambaserve.llm import LLM
 
+    if args.backend != "vllm":
+        raise ValueError(f"--backend {args.backend} is not this engine's: --backend vllm runs mambaserve "
+                         "(benchmarks/hf_baseline.py measures transformers)")
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1, got {args.n}")
+    resolve_dataset(args)
     if llm is None:
         resolve_skip_tokenizer(args)
         llm = LLM.from_config(engine_config_from_args(args))
@@ -119,7 +163,8 @@ def main(args: argparse.Namespace, llm=None) -> int:
     requests = build_requests(args.dataset, args.num_prompts, vocab_size=llm.llm_engine.vocab_size,
                               tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
                               range_ratio=args.random_range_ratio, seed=args.seed)
-    rec = measure_throughput(llm, requests, use_tqdm=not args.disable_tqdm, num_warmup_prompts=args.num_warmup_prompts)
+    rec = measure_throughput(llm, requests, use_tqdm=not args.disable_tqdm, num_warmup_prompts=args.num_warmup_prompts,
+                             n=args.n)
     print_throughput(rec)
     if args.output_json:
         record = {"benchmark": "throughput", "environment": environment_info(device=config.resolved_device()),

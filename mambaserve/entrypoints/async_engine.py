@@ -332,7 +332,8 @@ class AsyncEngine:
                 self.metrics.observe_token_gap(now - timing.last, per_seq)
             timing.num_tokens, timing.last = num, now
         if out.finished:
-            self.metrics.observe_finished(now - timing.arrival, [c.finish_reason for c in out.outputs])
+            self.metrics.observe_finished(now - timing.arrival, [c.finish_reason for c in out.outputs],
+                                          len(out.prompt_token_ids), num)
 
     def _fail_all(self, err: EngineError) -> None:
         """Abort every request in flight and send `err` to its stream (once per stream)."""

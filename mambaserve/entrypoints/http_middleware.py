@@ -49,6 +49,13 @@ def check_api_key(key: str | None) -> None:
                          "header carries it; got " + ("an empty key" if not key else "a key with other characters"))
 
 
+def _route_path(scope) -> str:
+    """The path the routes see: uvicorn puts --root-path in front of it (ASGI's root_path), and
+    a key check on the prefixed path would let /ROOT/v1/... through."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
 class RequestGuard:
     """ASGI middleware run before routing and body parsing: the API key of /v1 paths (and of
     /tokenize, /detokenize when `protect_tokenizer`; 401), then the request body: its size (413)
@@ -68,7 +75,7 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and self._needs_key(scope["path"]):
+        if self.api_key and self._needs_key(_route_path(scope)):
             # compared as the bytes that came (the key is ASCII: see check_api_key)
             auth = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import collections
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
 
 from mambaserve.engine.stats import EngineUsage
 
@@ -25,8 +26,25 @@ _THROUGHPUT_WINDOW_S = 10.0
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+# Metric names and labels are vLLM's, so that its Grafana dashboard and alerts work unchanged;
+# the state slots and KV blocks as counts are ours (mambaserve:...).
+VLLM_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                "vllm:request_success_total", "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
+                "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
+                "vllm:request_generation_tokens", "vllm:avg_generation_throughput_toks_per_s")
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 6) for m in (1, 2, 5))  # 1 ... 500,000 tokens
+
+# Counters get no `_created` series (vLLM's dashboards do not read them; every scrape would carry one per series).
+disable_created_metrics()
+
+
 class ServerMetrics:
-    """The server's metrics. `model_name` labels every series, as vLLM's do."""
+    """The server's metrics. `model_name` labels every series, as vLLM's do.
+
+    vllm:kv_cache_usage_perc is the fraction (0-1) of the cache in use: of this engine's two
+    pools, the fuller one (state slots or KV blocks), since either one running out stops
+    admission."""
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry(auto_describe=True)
@@ -34,35 +52,43 @@ class ServerMetrics:
         r = self.registry
 
         def gauge(name, doc):
-            return Gauge(f"mambaserve:{name}", doc, labels, registry=r).labels(model_name)
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
 
-        self.running = gauge("num_requests_running", "Sequences in the running batch.")
-        self.waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.")
-        self.slots_used = gauge("state_slots_used", "Conv/SSM state slots held by sequences.")
-        self.slots_total = gauge("state_slots_total", "Conv/SSM state slots in the pool.")
-        self.blocks_used = gauge("kv_blocks_used", "Paged KV-cache blocks held by sequences.")
-        self.blocks_total = gauge("kv_blocks_total", "Paged KV-cache blocks in the pool.")
-        self.throughput = gauge("avg_generation_throughput_toks_per_s",
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Sequences in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting to be scheduled.")
+        self.cache_usage = gauge("vllm:kv_cache_usage_perc",
+                                 "Fraction of the cache in use (the fuller of the state-slot and KV-block pools).")
+        self.slots_used = gauge("mambaserve:state_slots_used", "Conv/SSM state slots held by sequences.")
+        self.slots_total = gauge("mambaserve:state_slots_total", "Conv/SSM state slots in the pool.")
+        self.blocks_used = gauge("mambaserve:kv_blocks_used", "Paged KV-cache blocks held by sequences.")
+        self.blocks_total = gauge("mambaserve:kv_blocks_total", "Paged KV-cache blocks in the pool.")
+        self.throughput = gauge("vllm:avg_generation_throughput_toks_per_s",
                                 f"Generated tokens per second over the last {_THROUGHPUT_WINDOW_S:.0f} s.")
-        self.prompt_tokens = Counter("mambaserve:prompt_tokens", "Prompt tokens prefilled (recomputes included).",
-                                     labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter("mambaserve:generation_tokens", "Tokens generated.", labels,
-                                         registry=r).labels(model_name)
-        self.preemptions = Counter("mambaserve:num_preemptions", "Sequences preempted by recompute.", labels,
-                                   registry=r).labels(model_name)
-        self.aborted = Counter("mambaserve:request_aborted", "Requests aborted (client gone, shutdown, error).",
-                               labels, registry=r).labels(model_name)
-        self._finished = Counter("mambaserve:request_success", "Finished requests by finish reason.",
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled (recomputes not counted again).")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.preemptions = counter("vllm:num_preemptions", "Sequences preempted by recompute.")
+        self.aborted = counter("mambaserve:request_aborted", "Requests aborted (client gone, shutdown, error).")
+        self._finished = Counter("vllm:request_success", "Finished requests by finish reason.",
                                  labels + ["finished_reason"], registry=r)
         self._model_name = model_name
-        self.ttft = Histogram("mambaserve:time_to_first_token_seconds",
-                              "Time from arrival to the first generated token.", labels, buckets=_TTFT_BUCKETS,
-                              registry=r).labels(model_name)
-        self.tpot = Histogram("mambaserve:time_per_output_token_seconds",
-                              "Time between successive generated tokens of a request.", labels,
-                              buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
-        self.e2e = Histogram("mambaserve:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             labels, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first generated token.",
+                              _TTFT_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds",
+                              "Time between successive generated tokens of a request.", _TPOT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Time between successive generated tokens of a request.", _TPOT_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             _E2E_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of finished requests.",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens of finished requests.", _TOKEN_BUCKETS)
         self._last_stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
         self._window: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens so far)
         self.throughput.set_function(self._throughput)
@@ -76,6 +102,8 @@ class ServerMetrics:
         self.slots_total.set(usage.num_slots_total)
         self.blocks_used.set(usage.num_blocks_used)
         self.blocks_total.set(usage.num_blocks_total)
+        self.cache_usage.set(max(usage.num_slots_used / max(usage.num_slots_total, 1),
+                                 usage.num_blocks_used / max(usage.num_blocks_total, 1)))
         for name, counter in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
                               ("preemptions", self.preemptions)):
             value = getattr(usage, name)
@@ -104,9 +132,15 @@ class ServerMetrics:
         per_token = seconds / max(num_tokens, 1)
         for _ in range(max(num_tokens, 1)):
             self.tpot.observe(per_token)
+            self.itl.observe(per_token)
 
-    def observe_finished(self, seconds: float, finish_reasons: list[str | None]) -> None:
+    def observe_finished(self, seconds: float, finish_reasons: list[str | None], prompt_tokens: int = 0,
+                         generation_tokens: int = 0) -> None:
+        """A request finished `seconds` after it arrived, with one finish reason per sequence, its
+        prompt's tokens and the tokens its sequences generated."""
         self.e2e.observe(seconds)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
         for reason in finish_reasons:
             self._finished.labels(self._model_name, reason or "unknown").inc()
 

@@ -25,6 +25,7 @@ import copy
 import re
 import threading
 import time
+import logging
 import uuid
 
 from mambaserve.chat import render_chat
@@ -40,6 +41,8 @@ from mambaserve.entrypoints.tool_parsers import ToolCallParser
 from mambaserve.sampling_params import SamplingParams
 
 __all__ = ["ApiError", "OpenAIServing"]
+
+logger = logging.getLogger("mambaserve.server")
 
 # Sequences (prompts x n) one HTTP request may start.
 MAX_SEQUENCES_PER_REQUEST = 1024
@@ -81,10 +84,19 @@ def _constraint_param(req: SamplingRequest) -> str:
 class OpenAIServing(CompletionServing, ChatServing):
     """Completions and chat completions for one served model."""
 
-    def __init__(self, engine: AsyncEngine, served_model_name: str, *, enable_auto_tool_choice: bool = False,
-                 tool_call_parser: str | None = None, structured_outputs_config: dict | None = None):
+    def __init__(self, engine: AsyncEngine, served_model_name: str | list[str], *,
+                 enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+                 structured_outputs_config: dict | None = None, response_role: str = "assistant",
+                 log_requests: bool = False, default_sampling: dict | None = None):
+        """served_model_name: the name (or names: any is accepted, the first is the default)
+        clients send. response_role: the role of chat replies. log_requests: log each request
+        at INFO. default_sampling: {SamplingParams field: value} for fields a request leaves
+        unset (the checkpoint's generation_config, as vLLM)."""
         self.engine = engine
-        self.model_name = served_model_name
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+        self.model_names, self.model_name = names, names[0]
+        self.response_role, self.log_requests = response_role, log_requests
+        self.default_sampling = dict(default_sampling or {})
         if enable_auto_tool_choice and tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         if tool_call_parser is not None:
@@ -157,7 +169,7 @@ class OpenAIServing(CompletionServing, ChatServing):
     # ------------------------------------------------------------------ validation
     def check_model(self, name: str | None) -> None:
         """404 unless `name` is the served model's name (None means the served model)."""
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise ApiError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def _tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -187,13 +199,23 @@ class OpenAIServing(CompletionServing, ChatServing):
                 logit_bias = {int(t): b for t, b in req.logit_bias.items()}
             except ValueError:
                 raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+        limit = self.engine.engine.input_processor.max_logprobs  # the engine's max_logprobs (vLLM's rule)
+        for name, asked in (("top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs", logprobs),
+                            ("prompt_logprobs", req.prompt_logprobs)):
+            if asked is not None and asked > limit:
+                raise ApiError(400, f"{name}={asked} is more than the server's max_logprobs={limit}", param=name)
+        d = self.default_sampling
+
+        def pick(name, default):
+            value = getattr(req, name)
+            return d.get(name, default) if value is None else value
+
         try:
             return SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+                n=req.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0), seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 ignore_eos=req.ignore_eos, max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=logit_bias,
@@ -248,7 +270,7 @@ class OpenAIServing(CompletionServing, ChatServing):
         return Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), echo=req.echo,
                     drop_output=drop, num_top=req.logprobs, arrival=arrival, prompt_top=req.prompt_logprobs,
-                    continuous_usage=_continuous(req))
+                    continuous_usage=_continuous(req), model=req.model or self.model_name)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Job:
         """Validate a chat request and render its messages with the chat template. Raises ApiError."""
@@ -265,11 +287,14 @@ class OpenAIServing(CompletionServing, ChatServing):
         ids = self._tokenize(text, add_special_tokens=req.add_special_tokens)
         max_tokens = req.max_completion_tokens or req.max_tokens
         self._check_prompt(ids, max_tokens, "messages")
+        if max_tokens is None and "max_tokens" in self.default_sampling:  # generation_config's max_new_tokens
+            max_tokens = min(self.default_sampling["max_tokens"], self.engine.max_model_len - len(ids))
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, num_top, req.prompt_logprobs)
         return Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [(text, ids)], params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), num_top=num_top,
-                    arrival=arrival, prompt_top=req.prompt_logprobs, continuous_usage=_continuous(req), tools=tools)
+                    arrival=arrival, prompt_top=req.prompt_logprobs, continuous_usage=_continuous(req), tools=tools,
+                   model=req.model or self.model_name)
 
     def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
         """How the reply's tool calls are found: by the server's parser for tool_choice "auto" (the
@@ -306,6 +331,9 @@ class OpenAIServing(CompletionServing, ChatServing):
 
     async def submit(self, job: Job) -> RequestStream:
         """Queue a job's prompts in the engine. Raises ApiError (400, 503) if it refuses them."""
+        if self.log_requests:
+            logger.info("request %s: %d prompt(s) of %s tokens, %s", job.request_id, len(job.prompts),
+                        "/".join(str(len(ids)) for _, ids in job.prompts), job.params)
         try:
             return await self.engine.submit(job.request_id, [EngineInput(ids, job.params) for _, ids in job.prompts],
                                             job.arrival)

@@ -19,8 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from mambaserve.entrypoints import request_fields
 
-# OpenAI caps completions' logprobs at 5 and chat's top_logprobs at 20; vLLM allows 20 for both.
-MAX_LOGPROBS = 20
 # More completions per prompt than this is far more likely a mistake (or abuse) than a use.
 MAX_N = 128
 MAX_STOPS = 64
@@ -151,7 +149,7 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as in vLLM
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -178,7 +176,7 @@ class CompletionRequest(SamplingRequest):
     _unsupported: ClassVar[dict[str, Any]] = request_fields.COMPLETION
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -235,7 +233,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

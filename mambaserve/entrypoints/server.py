@@ -31,28 +31,28 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import socket
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaserve import __version__
-from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
-from mambaserve.entrypoints.async_engine import DEFAULT_MAX_BACKLOG_TOKENS, AsyncEngine
+from mambaserve.engine.arg_utils import engine_config_from_args
+from mambaserve.entrypoints.async_engine import AsyncEngine
 from mambaserve.entrypoints.constraints import parse_config
 from mambaserve.entrypoints.http_middleware import (DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
                                                     EventStreamResponse, RequestGuard, check_api_key, error_response,
                                                     json_response, unless_disconnected, validation_message)
-from mambaserve.entrypoints.http_protocol import DEFAULT_HEADER_TIMEOUT, JsonErrorH11Protocol
+from mambaserve.entrypoints.http_protocol import JsonErrorH11Protocol
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
 from mambaserve.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from mambaserve.entrypoints.protocol_responses import ModelCard, ModelList
-from mambaserve.entrypoints.tool_parsers import PARSERS as TOOL_PARSERS
+from mambaserve.entrypoints.serve_args import add_serve_args, read_chat_template, served_model_names
 
 logger = logging.getLogger("mambaserve.server")
 
@@ -61,13 +61,19 @@ MAX_HEADER_BYTES = 16 * 1024  # h11's own default, set explicitly: an over-size 
 
 
 # ---------------------------------------------------------------------------- the app
-def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
+def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, protect_tokenizer: bool = False,
-              body_timeout: float = DEFAULT_BODY_READ_TIMEOUT, **serving_options) -> FastAPI:
+              body_timeout: float = DEFAULT_BODY_READ_TIMEOUT, cors: dict | None = None,
+              **serving_options) -> FastAPI:
     """The FastAPI app over `engine`. Its lifespan starts the engine thread and stops it.
-    serving_options: `OpenAIServing`'s (tool calling, structured-output defaults). Raises
-    ValueError for an API key that an HTTP header cannot carry (`check_api_key`)."""
+    served_model_name: a name or several (any is accepted; /v1/models lists all). cors:
+    CORSMiddleware's options (allow_origins, ...; None: no CORS); it runs before the API-key
+    guard, so that a browser's preflight (which carries no key) gets its answer.
+    serving_options: `OpenAIServing`'s (tool calling, structured-output defaults, response
+    role, request logging). Raises ValueError for an API key that an HTTP header cannot carry
+    (`check_api_key`)."""
     serving = OpenAIServing(engine, served_model_name, **serving_options)
+    names = serving.model_names
     metrics = engine.metrics
 
     @contextlib.asynccontextmanager
@@ -83,6 +89,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     check_api_key(api_key)
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, protect_tokenizer=protect_tokenizer,
                        body_timeout=body_timeout)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)  # added last: the outermost, before the guard
     app.state.serving = serving
 
     @app.exception_handler(ApiError)
@@ -116,16 +124,16 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
-        return json_response(200, ModelList(data=[card]).model_dump_json())
+        cards = [ModelCard(id=n, root=engine.model_path, max_model_len=engine.max_model_len) for n in names]
+        return json_response(200, ModelList(data=cards).model_dump_json())
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         """One model card, as OpenAI's retrieve-model; 404 for another name."""
-        if model_id != served_model_name:
+        if model_id not in names:
             return error_response(ApiError(404, f"The model `{model_id}` does not exist.", type="not_found_error",
                                            param="model", code="model_not_found"))
-        card = ModelCard(id=served_model_name, root=engine.model_path, max_model_len=engine.max_model_len)
+        card = ModelCard(id=model_id, root=engine.model_path, max_model_len=engine.max_model_len)
         return json_response(200, card.model_dump_json())
 
     @app.get("/version")
@@ -191,47 +199,13 @@ class Server(uvicorn.Server):
 def register(sub) -> None:
     """Add the `serve` subcommand to the `mambaserve` CLI."""
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    p.add_argument("model_tag", nargs="?", default=None, help="checkpoint directory (same as --model)")
-    add_engine_args(p)
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model directory's name)")
-    g.add_argument("--api-key", default=os.environ.get("MAMBASERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $MAMBASERVE_API_KEY)")
-    g.add_argument("--max-queue-len", type=int, default=None,
-                   help="most waiting sequences (n=4 counts 4; prompts x n for a list of prompts): a "
-                        "request that would pass it gets 503, one that alone would gets 400 (default: unbounded)")
-    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    g.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT,
-                   help="seconds a request's whole body may take to arrive (408 after; default %(default)g)")
-    g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
-                   help="seconds a request's headers may take to arrive (408 after; default %(default)g)")
-    g.add_argument("--max-stream-backlog-tokens", type=int, default=DEFAULT_MAX_BACKLOG_TOKENS,
-                   help="generated tokens a streaming client may leave unread before it is dropped and its "
-                        "request aborted (default %(default)d)")
-    g.add_argument("--tokenize-requires-api-key", action="store_true",
-                   help="with --api-key, /tokenize and /detokenize need the key too (default: open, as in vLLM)")
-    g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='tool_choice "auto": find the calls in replies with --tool-call-parser')
-    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_PARSERS),
-                   help="the format of the model's tool calls (granite: Granite 4.0's <tool_call> JSON)")
-    g.add_argument("--structured-outputs-config", default=None,
-                   help='defaults for constrained requests, as JSON: {"disable_any_whitespace": true, '
-                        '"disable_additional_properties": true, "backend": "xgrammar"}')
+    add_serve_args(p)
     p.set_defaults(func=run)
-
-
-def served_model_name(args: argparse.Namespace) -> str:
-    """--served-model-name, else the model path's last component."""
-    return args.served_model_name or os.path.basename(os.path.normpath(args.model))
 
 
 def build_server(args: argparse.Namespace) -> Server:
     """Load the engine from parsed `serve` arguments and return the (not yet running) server."""
+    from mambaserve.engine.input_processor import generation_config_folder, generation_sampling_defaults
     from mambaserve.engine.llm_engine import LLMEngine
 
     if args.model_tag is not None:
@@ -245,20 +219,40 @@ def build_server(args: argparse.Namespace) -> Server:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.max_stream_backlog_tokens < 1:
         raise ValueError(f"--max-stream-backlog-tokens must be >= 1, got {args.max_stream_backlog_tokens}")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other")
     check_api_key(args.api_key)  # before the model loads: a bad key fails at once
-    name = served_model_name(args)
+    names = served_model_names(args)
     structured_config = parse_config(args.structured_outputs_config)
+    chat_template = read_chat_template(args.chat_template)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
     engine = LLMEngine(engine_config_from_args(args, max_queue_len=args.max_queue_len))
-    async_engine = AsyncEngine(engine, ServerMetrics(name), max_backlog_tokens=args.max_stream_backlog_tokens)
-    app = build_app(async_engine, name, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
+    if chat_template is not None:
+        if engine.tokenizer is None:
+            raise ValueError("--chat-template needs a tokenizer (not --skip-tokenizer-init)")
+        engine.tokenizer.chat_template = chat_template  # the serving's copies are taken from it
+    defaults = generation_sampling_defaults(generation_config_folder(engine.config))
+    if defaults:
+        logger.info("default sampling parameters from the model's generation_config.json (as vLLM; "
+                    "--generation-config vllm for none): %s", defaults)
+    async_engine = AsyncEngine(engine, ServerMetrics(names[0]), max_backlog_tokens=args.max_stream_backlog_tokens)
+    app = build_app(async_engine, names, api_key=args.api_key, max_body_bytes=args.max_request_body_bytes,
                     protect_tokenizer=args.tokenize_requires_api_key, body_timeout=args.body_read_timeout,
+                    cors=dict(allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                              allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials),
                     enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-                    structured_outputs_config=structured_config)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=30, http=JsonErrorH11Protocol, ws="none",
-                            timeout_keep_alive=KEEP_ALIVE_TIMEOUT, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+                    structured_outputs_config=structured_config, response_role=args.response_role,
+                    log_requests=args.enable_log_requests, default_sampling=defaults)
+    where = dict(uds=args.uds) if args.uds else dict(host=args.host, port=args.port)
+    config = uvicorn.Config(app, **where, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+                            root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
+                            ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
+                            ssl_cert_reqs=args.ssl_cert_reqs, timeout_graceful_shutdown=30, http=JsonErrorH11Protocol,
+                            ws="none", timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
+                            h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     config.header_timeout = args.header_timeout  # read by JsonErrorH11Protocol
     return Server(config, async_engine)
 
@@ -266,7 +260,7 @@ def build_server(args: argparse.Namespace) -> Server:
 def run(args: argparse.Namespace) -> int:
     """`mambaserve serve`: serve until SIGINT/SIGTERM."""
     server = build_server(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if not args.uds and args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this port can use it", args.host)
     server.run()
     return 0

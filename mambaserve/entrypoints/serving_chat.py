@@ -30,7 +30,7 @@ def _tool_calls(job: Job, text: str, finish_reason: str | None) -> tuple[str | N
 
 
 class ChatServing(OutputFormatting):
-    """The chat half of `OpenAIServing` (needs `self.model_name`)."""
+    """The chat half of `OpenAIServing` (needs `self.response_role`)."""
 
     async def chat_response(self, job: Job, stream: RequestStream) -> ChatCompletionResponse:
         """The whole chat completion response, once the request has finished."""
@@ -42,11 +42,11 @@ class ChatServing(OutputFormatting):
         for c in finals[0].outputs:
             lps = self._chat_logprobs(c.token_ids, c.logprobs or [], job.num_top) if job.num_top is not None else None
             content, tool_calls, finish = _tool_calls(job, c.text, c.finish_reason)
-            message = ChatResponseMessage(content=content, tool_calls=tool_calls)
+            message = ChatResponseMessage(role=self.response_role, content=content, tool_calls=tool_calls)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lps, finish_reason=finish,
                                       stop_reason=c.stop_reason))
         return ChatCompletionResponse(
-            id=job.request_id, created=job.created, model=self.model_name, choices=choices,
+            id=job.request_id, created=job.created, model=job.model, choices=choices,
             usage=self._usage(job, finals),
             prompt_logprobs=None if job.prompt_top is None else prompt_logprobs_of(finals[0], job.prompt_top))
 
@@ -54,14 +54,14 @@ class ChatServing(OutputFormatting):
         """Server-sent events of a streamed chat completion: a role chunk per choice, content
         deltas, a chunk with the finish reason, the usage chunk if asked, `data: [DONE]`."""
         def chunk(choices, usage=None):
-            return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=self.model_name,
+            return sse(ChatCompletionChunk(id=job.request_id, created=job.created, model=job.model,
                                             choices=choices, usage=usage))
 
         states = [ChoiceState() for _ in range(job.params.n)]
         calls = [ToolCallStream(job.tools) if job.tools is not None else None for _ in range(job.params.n)]
         finals: dict[int, RequestOutput] = {}
         try:
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))
                          for i in range(job.params.n)])
             async for index, out in stream:
                 if out.finished:

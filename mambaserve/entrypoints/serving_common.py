@@ -51,6 +51,7 @@ class Job:
     prompt_top: int | None = None  # vLLM's prompt_logprobs asked for (None: none)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     tools: ToolCallParser | None = None  # how to find tool calls in the reply (None: it has none)
+    model: str = ""  # the served name the request used (responses echo it, as vLLM's)
 
     @property
     def holdback(self) -> int:

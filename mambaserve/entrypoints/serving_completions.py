@@ -14,7 +14,7 @@ from mambaserve.outputs import CompletionOutput, RequestOutput
 
 
 class CompletionServing(OutputFormatting):
-    """The completions half of `OpenAIServing` (needs `self.model_name`)."""
+    """The completions half of `OpenAIServing`."""
 
     def _completion_choice(self, job: Job, index: int, out: RequestOutput, c: CompletionOutput) -> CompletionChoice:
         text, lps, offset = "", None, 0
@@ -41,7 +41,7 @@ class CompletionServing(OutputFormatting):
         except EngineError as e:
             raise ApiError(e.status, str(e)) from None
         choices = [self._completion_choice(job, i, finals[i], c) for i in sorted(finals) for c in finals[i].outputs]
-        return CompletionResponse(id=job.request_id, created=job.created, model=self.model_name, choices=choices,
+        return CompletionResponse(id=job.request_id, created=job.created, model=job.model, choices=choices,
                                   usage=self._usage(job, finals))
 
     def _completion_delta(self, job: Job, index: int, out: RequestOutput, c: CompletionOutput,
@@ -90,11 +90,11 @@ class CompletionServing(OutputFormatting):
                     if choice is not None:
                         choices.append(choice)
                 if choices:
-                    yield sse(CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
+                    yield sse(CompletionResponse(id=job.request_id, created=job.created, model=job.model,
                                                   choices=choices,
                                                   usage=self._usage(job, latest) if job.continuous_usage else None))
             if job.include_usage:
-                yield sse(CompletionResponse(id=job.request_id, created=job.created, model=self.model_name,
+                yield sse(CompletionResponse(id=job.request_id, created=job.created, model=job.model,
                                               choices=[], usage=self._usage(job, finals)))
         except EngineError as e:
             yield f"data: {ApiError(e.status, str(e)).body().model_dump_json()}\n\n"

@@ -65,8 +65,8 @@ def wait_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(base_url)
-        keys = ["mambaserve:state_slots_used", "mambaserve:kv_blocks_used", "mambaserve:num_requests_running",
-                "mambaserve:num_requests_waiting"]
+        keys = ["mambaserve:state_slots_used", "mambaserve:kv_blocks_used", "vllm:num_requests_running",
+                "vllm:num_requests_waiting"]
         if all(m[k] == 0 for k in keys) or time.monotonic() > deadline:
             return m
 

@@ -77,7 +77,7 @@ def test_models_health_metrics(base_url, client):
     assert httpx.get(f"{base_url}/health").status_code == 200  # no key needed outside /v1
     m = metrics(base_url)
     assert m["mambaserve:state_slots_total"] > 0 and m["mambaserve:kv_blocks_total"] > 0
-    assert "mambaserve:time_to_first_token_seconds_count" in m
+    assert "vllm:time_to_first_token_seconds_count" in m
 
 
 def test_completion_equals_offline(client, offline):
@@ -316,7 +316,7 @@ def test_queue_full_gives_503():
         waiting = threading.Thread(target=lambda: c.completions.create(model=MODEL, prompt="hi", max_tokens=2))
         waiting.start()
         deadline = time.monotonic() + 10
-        while metrics(url)["mambaserve:num_requests_waiting"] < 1:
+        while metrics(url)["vllm:num_requests_waiting"] < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(openai.InternalServerError) as e:
@@ -349,9 +349,9 @@ def test_non_streaming_disconnect_aborts(base_url):
         httpx.post(f"{base_url}/v1/completions", headers=AUTH, timeout=httpx.Timeout(10, read=0.3),
                    json={"prompt": "hello", "max_tokens": 1500, "ignore_eos": True})
     m = wait_idle(base_url)
-    assert m["mambaserve:state_slots_used"] == 0 and m["mambaserve:num_requests_running"] == 0
+    assert m["mambaserve:state_slots_used"] == 0 and m["vllm:num_requests_running"] == 0
     assert m["mambaserve:request_aborted_total"] == before["mambaserve:request_aborted_total"] + 1
-    assert m["mambaserve:generation_tokens_total"] - before["mambaserve:generation_tokens_total"] < 1500
+    assert m["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 1500
 
 
 def test_engine_failure_fails_requests_not_the_loop(served, client, monkeypatch):
@@ -432,7 +432,7 @@ def test_load(base_url, offline):
     assert results == {"stream": 110, "whole": 30, "leave": 30, "invalid": 30, "health": 10}
     m = wait_idle(base_url)
     assert m["mambaserve:state_slots_used"] == 0 and m["mambaserve:kv_blocks_used"] == 0
-    assert m["mambaserve:num_requests_running"] == 0 and m["mambaserve:num_requests_waiting"] == 0
+    assert m["vllm:num_requests_running"] == 0 and m["vllm:num_requests_waiting"] == 0
     assert m["mambaserve:request_aborted_total"] - aborted == 30  # every client that left was aborted
     assert httpx.get(f"{base_url}/health").status_code == 200
     print(f"load test: {len(kinds)} requests in {time.monotonic() - start:.1f} s")

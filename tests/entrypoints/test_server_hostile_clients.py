@@ -168,7 +168,7 @@ def test_max_queue_len_over_http():
         r = httpx.post(f"{url}/v1/completions", json={"prompt": ["a", "b"], "n": 4, "max_tokens": 2}, timeout=30)
         assert r.status_code == 200 and len(r.json()["choices"]) == 8
         m = wait_idle(url)
-        assert m["mambaserve:state_slots_used"] == 0 and m["mambaserve:num_requests_waiting"] == 0
+        assert m["mambaserve:state_slots_used"] == 0 and m["vllm:num_requests_waiting"] == 0
 
 
 # ---------------------------------------------------------------------------- 10: strict types
