@@ -44,9 +44,8 @@ _SAMPLING_KEYS = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "freque
 _MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 
 # vLLM-backend model_args that mean nothing here: accepted with a warning so that a vLLM command
-# line runs unchanged.
-_IGNORED_ARGS = ("trust_remote_code", "revision", "tokenizer_revision", "tokenizer_mode", "swap_space",
-                 "enable_prefix_caching")
+# line runs unchanged (revision, tokenizer_mode, swap_space, trust_remote_code are engine options).
+_IGNORED_ARGS = ("tokenizer_revision", "enable_prefix_caching")
 
 
 @register_model("mambaserve")
