@@ -50,8 +50,12 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
         raise ValueError(f"model path {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import (HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError,
-                                            RevisionNotFoundError)
+        from huggingface_hub.errors import (
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
     except ImportError:
         raise ValueError(f"model path {model!r} does not exist, and huggingface_hub (needed to read it as a "
                          "Hugging Face model id) is not installed") from None

@@ -65,7 +65,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-result", action="store_true", help="write the results record to a JSON file")
     parser.add_argument("--result-dir", default=None, help="folder of --save-result (default: the current one)")
     parser.add_argument("--result-filename", default=None,
-                        help="file name of --save-result (default: {label}-{rate}qps[-concurrency{n}]-{model}-{time}.json)")
+                        help="file name of --save-result "
+                             "(default: {label}-{rate}qps[-concurrency{n}]-{model}-{time}.json)")
     parser.add_argument("--output-json", default=None, help="write the results record to this path (older spelling)")
     parser.add_argument("--save-detailed", action="store_true", help="also record every request's lengths and timings")
     parser.add_argument("--disable-tqdm", action="store_true")
@@ -308,13 +309,15 @@ def _metric_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[float
     """--percentile-metrics and --metric-percentiles, checked (ValueError)."""
     metrics = tuple(m.strip() for m in args.percentile_metrics.split(",") if m.strip())
     if not metrics or any(m not in METRICS for m in metrics):
-        raise ValueError(f"--percentile-metrics must be a comma list of {', '.join(METRICS)}, got {args.percentile_metrics!r}")
+        raise ValueError(f"--percentile-metrics must be a comma list of {', '.join(METRICS)}, "
+                         f"got {args.percentile_metrics!r}")
     try:
         qs = tuple(float(q) for q in args.metric_percentiles.split(","))
     except ValueError:
         qs = ()
     if not qs or any(not 0 < q <= 100 for q in qs):
-        raise ValueError(f"--metric-percentiles must be a comma list of numbers in (0, 100], got {args.metric_percentiles!r}")
+        raise ValueError(f"--metric-percentiles must be a comma list of numbers in (0, 100], "
+                         f"got {args.metric_percentiles!r}")
     return metrics, qs
 
 

@@ -25,7 +25,6 @@ from mambaserve.benchmarks.common import (
 from mambaserve.benchmarks.datasets import RANDOM, SHAREGPT, SYNTHETIC, BenchRequest, build_requests
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 
-
 DATASET_NAMES = (SYNTHETIC, RANDOM, SHAREGPT)
 
 

@@ -57,7 +57,8 @@ def check_max_model_len(max_model_len: int | None, model_config) -> None:
                        "(allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs past it may be wrong", max_model_len, limit)
         return
     raise ValueError(f"max_model_len={max_model_len} is longer than the model's max_position_embeddings={limit}; "
-                     "set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it (outputs past the model's positions may be wrong)")
+                     "set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it (outputs past the model's positions may be "
+                     "wrong)")
 
 
 @dataclass

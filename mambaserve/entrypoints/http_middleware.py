@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError

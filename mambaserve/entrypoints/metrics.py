@@ -12,8 +12,15 @@ from __future__ import annotations
 import collections
 import time
 
-from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
-                               disable_created_metrics, generate_latest)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 from mambaserve.engine.stats import EngineUsage
 
@@ -33,7 +40,7 @@ VLLM_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:
                 "vllm:request_success_total", "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
                 "vllm:request_generation_tokens", "vllm:avg_generation_throughput_toks_per_s")
-_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(0, 6) for m in (1, 2, 5))  # 1 ... 500,000 tokens
+_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))  # 1 ... 500,000 tokens
 
 # Counters get no `_created` series (vLLM's dashboards do not read them; every scrape would carry one per series).
 disable_created_metrics()

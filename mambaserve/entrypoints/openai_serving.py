@@ -22,17 +22,23 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import logging
 import re
 import threading
 import time
-import logging
 import uuid
 
 from mambaserve.chat import render_chat
 from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError, EngineInput, RequestStream
 from mambaserve.entrypoints.constraints import ConstraintError, structured_outputs_of
-from mambaserve.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                             NamedToolChoice, SamplingRequest, TokenizeRequest)
+from mambaserve.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NamedToolChoice,
+    SamplingRequest,
+    TokenizeRequest,
+)
 from mambaserve.entrypoints.protocol_responses import DetokenizeResponse, TokenizeResponse
 from mambaserve.entrypoints.serving_chat import ChatServing
 from mambaserve.entrypoints.serving_common import ApiError, Job
@@ -198,7 +204,8 @@ class OpenAIServing(CompletionServing, ChatServing):
             try:
                 logit_bias = {int(t): b for t, b in req.logit_bias.items()}
             except ValueError:
-                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)", param="logit_bias") from None
+                raise ApiError(400, "logit_bias keys must be token ids (integers as strings)",
+                               param="logit_bias") from None
         limit = self.engine.engine.input_processor.max_logprobs  # the engine's max_logprobs (vLLM's rule)
         for name, asked in (("top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs", logprobs),
                             ("prompt_logprobs", req.prompt_logprobs)):

@@ -1,7 +1,8 @@
 """`mambaserve serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over one engine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics (Prometheus), and vLLM's POST /tokenize, POST /detokenize, GET /version. Streaming is server-sent events ending with `data: [DONE]`.
+GET /metrics (Prometheus), and vLLM's POST /tokenize, POST /detokenize, GET /version.
+Streaming is server-sent events ending with `data: [DONE]`.
 
 Every error is OpenAI's {"error": {"message", "type", "param", "code"}}, also those answered
 below the app (`http_protocol`): 400 for invalid parameters, wrong JSON types, malformed JSON or
@@ -44,9 +45,17 @@ from mambaserve import __version__
 from mambaserve.engine.arg_utils import engine_config_from_args
 from mambaserve.entrypoints.async_engine import AsyncEngine
 from mambaserve.entrypoints.constraints import parse_config
-from mambaserve.entrypoints.http_middleware import (DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_BODY_BYTES,
-                                                    EventStreamResponse, RequestGuard, check_api_key, error_response,
-                                                    json_response, unless_disconnected, validation_message)
+from mambaserve.entrypoints.http_middleware import (
+    DEFAULT_BODY_READ_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    EventStreamResponse,
+    RequestGuard,
+    check_api_key,
+    error_response,
+    json_response,
+    unless_disconnected,
+    validation_message,
+)
 from mambaserve.entrypoints.http_protocol import JsonErrorH11Protocol
 from mambaserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from mambaserve.entrypoints.openai_serving import ApiError, OpenAIServing
@@ -87,8 +96,8 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
 
     app = FastAPI(title="mambaserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     check_api_key(api_key)
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, protect_tokenizer=protect_tokenizer,
-                       body_timeout=body_timeout)
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes,
+                       protect_tokenizer=protect_tokenizer, body_timeout=body_timeout)
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)  # added last: the outermost, before the guard
     app.state.serving = serving
@@ -247,7 +256,8 @@ def build_server(args: argparse.Namespace) -> Server:
                     structured_outputs_config=structured_config, response_role=args.response_role,
                     log_requests=args.enable_log_requests, default_sampling=defaults)
     where = dict(uds=args.uds) if args.uds else dict(host=args.host, port=args.port)
-    config = uvicorn.Config(app, **where, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+    config = uvicorn.Config(app, **where, log_level=args.uvicorn_log_level,
+                            access_log=not args.disable_uvicorn_access_log,
                             root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
                             ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                             ssl_cert_reqs=args.ssl_cert_reqs, timeout_graceful_shutdown=30, http=JsonErrorH11Protocol,

@@ -7,11 +7,27 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from mambaserve.entrypoints.async_engine import EngineError, RequestStream
-from mambaserve.entrypoints.protocol_responses import (ChatChoice, ChatCompletionChunk, ChatCompletionResponse,
-                                                       ChatResponseMessage, ChatStreamChoice, DeltaFunctionCall,
-                                                       DeltaMessage, DeltaToolCall, FunctionCall, ToolCall)
-from mambaserve.entrypoints.serving_common import (DONE, ApiError, ChoiceState, Job, OutputFormatting,
-                                                   prompt_logprobs_of, sse)
+from mambaserve.entrypoints.protocol_responses import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
+from mambaserve.entrypoints.serving_common import (
+    DONE,
+    ApiError,
+    ChoiceState,
+    Job,
+    OutputFormatting,
+    prompt_logprobs_of,
+    sse,
+)
 from mambaserve.entrypoints.tool_parsers import ToolCallStream, new_call_id
 from mambaserve.outputs import RequestOutput
 

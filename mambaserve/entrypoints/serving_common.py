@@ -11,8 +11,16 @@ import dataclasses
 import math
 
 from mambaserve.entrypoints.async_engine import RequestStream
-from mambaserve.entrypoints.protocol_responses import (ChatLogProbs, ChatTokenLogprob, CompletionLogProbs, ErrorInfo,
-                                                       ErrorResponse, PromptLogprob, TopLogprob, UsageInfo)
+from mambaserve.entrypoints.protocol_responses import (
+    ChatLogProbs,
+    ChatTokenLogprob,
+    CompletionLogProbs,
+    ErrorInfo,
+    ErrorResponse,
+    PromptLogprob,
+    TopLogprob,
+    UsageInfo,
+)
 from mambaserve.entrypoints.tool_parsers import ToolCallParser
 from mambaserve.outputs import RequestOutput
 from mambaserve.sampling_params import Logprob, SamplingParams

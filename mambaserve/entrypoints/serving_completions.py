@@ -8,8 +8,15 @@ from collections.abc import AsyncIterator
 
 from mambaserve.entrypoints.async_engine import EngineError, RequestStream
 from mambaserve.entrypoints.protocol_responses import CompletionChoice, CompletionLogProbs, CompletionResponse
-from mambaserve.entrypoints.serving_common import (DONE, ApiError, ChoiceState, Job, OutputFormatting,
-                                                   prompt_logprobs_of, sse)
+from mambaserve.entrypoints.serving_common import (
+    DONE,
+    ApiError,
+    ChoiceState,
+    Job,
+    OutputFormatting,
+    prompt_logprobs_of,
+    sse,
+)
 from mambaserve.outputs import CompletionOutput, RequestOutput
 
 

@@ -231,7 +231,8 @@ def test_bench_latency_line(tmp_path):
 
 
 @pytest.mark.parametrize("line, dataset, expected_out", [
-    # docs: "vllm bench throughput --model ... --input-len 128 --output-len 128 --num-prompts 1000 --tensor-parallel-size 2"
+    # docs: "vllm bench throughput --model ... --input-len 128 --output-len 128 --num-prompts 1000
+    # --tensor-parallel-size 2"
     ("vllm bench throughput --model {MODEL} --input-len 8 --output-len 4 --num-prompts 5 --tensor-parallel-size 1",
      "random", 20),
     ("vllm bench throughput --model {MODEL} --dataset-name random --random-input-len 8 --random-output-len 3 "
