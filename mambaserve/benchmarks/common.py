@@ -134,6 +134,25 @@ def _json_safe(x):
     return x
 
 
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's offline-benchmark switches: --disable-detokenize (honoured: token ids only, the
+    tokenizer is not loaded), --profile and --use-beam-search (refused by `check_run_flags`)."""
+    parser.add_argument("--disable-detokenize", action="store_true",
+                        help="do not detokenize outputs (token ids only: the tokenizer is not loaded)")
+    parser.add_argument("--profile", action="store_true", help="not implemented: use benchmarks/profile_step.py")
+    parser.add_argument("--use-beam-search", action="store_true", help="not implemented: no beam search")
+
+
+def check_run_flags(args: argparse.Namespace) -> None:
+    """Refuse what `add_run_flags` cannot honour (ValueError) and apply --disable-detokenize."""
+    if args.profile:
+        raise ValueError("--profile is not implemented here: benchmarks/profile_step.py profiles engine steps")
+    if args.use_beam_search:
+        raise ValueError("--use-beam-search is not supported: the engine has no beam search")
+    if args.disable_detokenize:
+        args.skip_tokenizer_init = True
+
+
 def has_tokenizer(model: str) -> bool:
     """Whether `model` is a checkpoint directory that carries tokenizer files."""
     p = Path(model)

@@ -16,7 +16,9 @@ import time
 
 from mambaserve.benchmarks.common import (
     PERCENTILES,
+    add_run_flags,
     args_record,
+    check_run_flags,
     engine_record,
     environment_info,
     memory_record,
@@ -36,6 +38,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=30, help="timed iterations")
     parser.add_argument("--output-json", default=None, help="write the results record here")
     parser.add_argument("--disable-tqdm", action="store_true")
+    add_run_flags(parser)
     add_engine_args(parser)
 
 
@@ -122,6 +125,7 @@ def main(args: argparse.Namespace, llm=None) -> int:
     from mambaserve.llm import LLM
 
     if llm is None:
+        check_run_flags(args)
         resolve_skip_tokenizer(args)
         overrides = {}
         if args.max_model_len is None:

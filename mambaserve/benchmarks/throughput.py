@@ -15,7 +15,9 @@ import os
 import time
 
 from mambaserve.benchmarks.common import (
+    add_run_flags,
     args_record,
+    check_run_flags,
     engine_record,
     environment_info,
     memory_record,
@@ -81,6 +83,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "that kernel compilation is not timed")
     parser.add_argument("--output-json", default=None, help="write the results record here")
     parser.add_argument("--disable-tqdm", action="store_true")
+    add_run_flags(parser)
     add_engine_args(parser)
 
 
@@ -155,6 +158,7 @@ def main(args: argparse.Namespace, llm=None) -> int:
         raise ValueError(f"--n must be >= 1, got {args.n}")
     resolve_dataset(args)
     if llm is None:
+        check_run_flags(args)
         resolve_skip_tokenizer(args)
         llm = LLM.from_config(engine_config_from_args(args))
     config = llm.llm_engine.config

@@ -38,6 +38,9 @@ def log_startup_summary(engine) -> None:
     logger.info("loaded in %.1f s; compilation mode %s%s%s", runner.load_seconds, runner.compilation_mode,
                 f", graphs captured in {capture:.1f} s" if capture is not None else "",
                 f"; {runner.cpu_threads} CPU thread(s)" if engine.device.type == "cpu" else "")
+    if engine.device.type == "cpu":
+        logger.info("CPU cache budget cpu_cache_bytes=%d (gpu_memory_utilization applies on GPUs only)",
+                    cfg.cpu_cache_bytes)
     if cfg.swap_space is not None:
         logger.info("swap_space=%g GiB has no effect: a preempted request is recomputed, never swapped", cfg.swap_space)
 

@@ -221,13 +221,17 @@ def test_uds_server_subprocess_logs_summary_and_stops_cleanly(tmp_path):
 
 
 # ---------------------------------------------------------------------------- vllm bench
-def test_bench_latency_line(tmp_path):
+def test_bench_latency_line(tmp_path, capsys):
     out = tmp_path / "lat.json"
+    # docs: "vllm bench latency --model ... --input-len 32 --output-len 128 --batch-size 8" (vLLM's defaults)
     argv = vllm_line("vllm bench latency --model {MODEL} --input-len 8 --output-len 4 --batch-size 2 "
-                     "--num-iters-warmup 1 --num-iters 2 --output-json {O}", O=out)
+                     "--num-iters-warmup 1 --num-iters 2 --disable-detokenize --output-json {O}", O=out)
     assert main(argv) == 0
     rec = json.loads(out.read_text())
     assert rec["output_tokens_per_iter"] == [8, 8] and rec["input_len"] == 8
+    assert rec["args"]["skip_tokenizer_init"] is True  # --disable-detokenize: no tokenizer, no text
+    assert main(vllm_line("vllm bench latency --model {MODEL} --profile")) == 2
+    assert "profile_step.py" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("line, dataset, expected_out", [
