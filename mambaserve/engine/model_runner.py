@@ -33,11 +33,12 @@ logger = logging.getLogger("mambaserve")
 
 def set_cpu_threads(requested: int | None) -> int:
     """Set torch's intra-op threads for a CPU engine and return the count: `requested`, else
-    $OMP_NUM_THREADS when set (torch read it already), else 1. Why 1: the Quick start's 64
-    tokens took 0.6-1.1 s with one thread and, with torch's default of one thread per core, now
-    and then 11-50 s on a 2-core machine shared with other work (a step's threads wait for each
-    other at every op, and one of them on a core that is busy); a model small enough for a CPU
-    gains little from more."""
+    $OMP_NUM_THREADS when set (torch read it already), else 1. Why 1: on a 2-core machine shared
+    with other work (load 4-8), the Quick start's 64 tokens took 1.4-2.7 s (load 4) and 6 s
+    (load 8) with one thread, 160-165 s with torch's default of a thread per core: every op
+    waits for its slowest thread, and with busy cores one of them is always descheduled. When
+    the machine is idle two threads gain 0.2-0.3 s over one, and a default-thread run still
+    fell to 11.8 s once in ten."""
     if requested is None and os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     n = requested or 1
