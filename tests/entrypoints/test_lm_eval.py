@@ -187,10 +187,13 @@ def test_model_args(tiny, caplog):
         MambaServeLM(pretrained=tiny, device="mps")
     lm = MambaServeLM.create_from_arg_string(
         f"pretrained={tiny},dtype=float32,max_length=48,max_num_seqs=3,seed=7,enforce_eager=True,"
-        "gpu_memory_utilization=0.5,load_format=auto,trust_remote_code=True",
+        "gpu_memory_utilization=0.5,load_format=auto,trust_remote_code=True,tokenizer_revision=main,"
+        "swap_space=4",
         {"batch_size": "auto:4", "max_batch_size": None, "device": "cpu"})
-    assert "trust_remote_code" in caplog.text
+    assert "tokenizer_revision" in caplog.text  # accepted and ignored, said so
     cfg = lm.model.llm_engine.config
+    # vLLM's engine options reach the engine
+    assert (cfg.trust_remote_code, cfg.swap_space) == (True, 4.0)
     assert (lm.max_length, cfg.max_num_seqs, cfg.seed, cfg.enforce_eager, cfg.dtype, cfg.device) == (
         48, 3, 7, True, "float32", "cpu")
     assert lm.batch_size == "auto"
