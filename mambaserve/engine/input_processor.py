@@ -22,6 +22,10 @@ from mambaserve.sampling_params import SamplingParams
 logger = logging.getLogger("mambaserve")
 
 
+class QueueFullError(RuntimeError):
+    """add_request found no room for a request's n sequences within max_queue_len (the server answers 503)."""
+
+
 @dataclass
 class ProcessedRequest:
     """A validated request: its prompt (text, or None for token ids), prompt token ids, its
@@ -118,6 +122,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, model_config, vocab_size: int, max_model_len: int):
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_queue_len = config.max_queue_len
         self.tokenizer = load_tokenizer(config)
         eos = getattr(model_config, "eos_token_id", None)
         ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
@@ -128,6 +133,17 @@ class InputProcessor:
         self.extra_eos_token_ids: list[int] = [t for t in generation_config_eos_ids(generation_config_folder(config))
                                               if t not in ids]
         self.max_logprobs = vocab_size if config.max_logprobs == -1 else config.max_logprobs
+
+    def check_queue_room(self, req: ProcessedRequest, num_waiting: int) -> None:
+        """Refuse a request whose n sequences do not fit in max_queue_len waiting sequences (each
+        of the n counts): ValueError when they never could (the request's fault, the server's
+        400), QueueFullError when the num_waiting already queued leave no room now (503)."""
+        limit, n = self.max_queue_len, len(req.seqs)
+        if limit is not None and n > limit:
+            raise ValueError(f"n={n} sequences exceed max_queue_len={limit} waiting sequences")
+        if limit is not None and num_waiting + n > limit:
+            raise QueueFullError(f"the request queue is full ({num_waiting} of {limit} waiting sequences; "
+                                 f"this adds {n})")
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of a text prompt. Raises ValueError without a tokenizer."""

@@ -6,7 +6,8 @@ outputs. The jobs around it live beside it: `InputProcessor` turns prompts into 
 sequences, `OutputProcessor` turns sampled tokens into text, stop decisions and outputs,
 `ModelRunner` runs the forward, `Scheduler` picks the batch. With async scheduling, a decode
 step is launched one call ahead, before the host has read the tokens it continues from (they
-feed it on the device): the device computes while the host updates.
+feed it on the device; `chaining.plan_chained_decode` decides when it may): the device
+computes while the host updates.
 
 What the entrypoints, metrics and benchmarks may read is the read API at the end of the class
 (limits, pool sizes, memory, `usage()`); the attributes behind it are the engine's own.
@@ -31,20 +32,19 @@ from mambaserve.cache.budget import PoolSizes
 from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.config import EngineConfig
 from mambaserve.distributed import SINGLE
+from mambaserve.engine.chaining import plan_chained_decode
 from mambaserve.engine.input_processor import InputProcessor
+from mambaserve.engine.input_processor import QueueFullError as QueueFullError  # re-exported: raised by add_request
 from mambaserve.engine.model_runner import ModelRunner, StepLogits
 from mambaserve.engine.output_processor import OutputProcessor
 from mambaserve.engine.sampler import PendingSample, Sampler
 from mambaserve.engine.scheduler import ScheduledSequence, Scheduler
 from mambaserve.engine.stat_logger import StatLogger, log_startup_summary
 from mambaserve.engine.stats import EngineStats, EngineUsage, MemoryUsage
+from mambaserve.engine.structured_outputs import StructuredOutputs
 from mambaserve.outputs import RequestOutput
 from mambaserve.sampling_params import SamplingParams
-from mambaserve.structured_outputs import GrammarCompiler, StructuredOutputs
-
-
-class QueueFullError(RuntimeError):
-    """add_request found no room for a request's n sequences within max_queue_len (the server answers 503)."""
+from mambaserve.structured_outputs import GrammarCompiler
 
 
 @dataclass
@@ -118,11 +118,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         now = time.time() if arrival_time is None else arrival_time
         req = self.input_processor.process(request_id, prompt, params, now)
-        limit, n, waiting = self.config.max_queue_len, len(req.seqs), self.scheduler.num_waiting  # n sequences count
-        if limit is not None and n > limit:  # it could never be queued: the request's fault (the server's 400)
-            raise ValueError(f"n={n} sequences exceed max_queue_len={limit} waiting sequences")
-        if limit is not None and waiting + n > limit:
-            raise QueueFullError(f"the request queue is full ({waiting} of {limit} waiting sequences; this adds {n})")
+        self.input_processor.check_queue_room(req, self.scheduler.num_waiting)
         self.output_processor.add(req, final_only)
         try:
             for seq in req.seqs:
@@ -210,36 +206,15 @@ class LLMEngine:
         return self.sampler.launch(result.sample_logits, result.sample_seqs)
 
     def _launch_next(self, step: _Step) -> _Step | None:
-        """Launch the decode step that follows `step`, whose tokens are still on the device, if it does
-        not depend on them beyond their values: `step` was a decode step of every running sequence, nothing
-        waits for admission, and every sequence continuing needs no penalties, no logprobs and no min_tokens
-        masking (they read the host's token lists), and gets its KV block now. A sequence that reaches its
-        length limit with `step` is left out; one that stops on a token of `step` (EOS, a stop string) is
-        discovered afterwards and its extra token is dropped. With a constrained sequence among them only
-        the forward is launched: its masks need the grammars after `step`'s tokens (`_take_inflight`
-        samples it). Returns the launched step, or None."""
-        if (step.result.path not in ("decode_graph", "eager") or step.sample is None or self.scheduler.waiting
-                or any(s.num_new_tokens != 1 or s.seq.num_computed_tokens + 1 != s.seq.num_tokens
-                       for s in step.scheduled)):
+        """Launch the decode step that follows `step`, whose tokens are still on the device, when
+        `plan_chained_decode` allows it. With a constrained sequence among them only the forward
+        is launched: its masks need the grammars after `step`'s tokens (`_take_inflight` samples
+        it). Returns the launched step, or None."""
+        plan = None if step.sample is None else plan_chained_decode(step.scheduled, step.result.path, self.scheduler,
+                                                                     self.max_model_len)
+        if plan is None:
             return None
-        in_step = {id(s.seq) for s in step.scheduled}
-        if any(id(seq) not in in_step for seq in self.scheduler.running):
-            return None  # a running sequence the scheduler left out (a prefill short of budget) goes next
-        max_len = self.max_model_len
-        rows, seqs = [], []
-        for i, s in enumerate(step.scheduled):
-            seq, p = s.seq, s.seq.sampling_params
-            if seq.is_finished:
-                continue
-            # the sampler masks min_tokens from the host's count, one behind for the launched step
-            if p.has_penalties or p.logprobs is not None or seq.num_output_tokens + 1 <= p.min_tokens:
-                return None
-            if seq.num_output_tokens + 1 >= (p.max_tokens or max_len) or seq.num_tokens + 1 >= max_len:
-                continue  # finishes on step's token
-            rows.append(i)
-            seqs.append(seq)
-        if not seqs or not all(self.scheduler.reserve_tokens(seq, seq.num_tokens + 1) for seq in seqs):
-            return None
+        rows, seqs = plan
         chained = self.runner.execute_chained_decode(seqs, step.sample.token_ids,
                                                      None if len(rows) == len(step.scheduled) else rows)
         sample = None if self.structured_outputs.constrains(seqs) else self._sample(chained)
@@ -314,15 +289,7 @@ class LLMEngine:
 
     def usage(self) -> EngineUsage:
         """A snapshot of queue lengths, pool use and counters (cheap: call it every step)."""
-        sched, blocks = self.scheduler, self.block_pool
-        return EngineUsage(
-            num_running=sched.num_running, num_waiting=sched.num_waiting,
-            num_slots_used=self.slot_pool.num_used, num_slots_total=self.slot_pool.num_slots,
-            num_blocks_used=blocks.num_used if blocks is not None else 0,
-            num_blocks_total=blocks.num_blocks if blocks is not None else 0,
-            prompt_tokens=self.stats.prompt_tokens, generation_tokens=self.stats.generation_tokens,
-            steps=self.stats.steps, preemptions=self.stats.preemptions,
-            step_breakdown=self.stats.breakdown_copy())
+        return self.stats.usage(self.scheduler, self.slot_pool, self.block_pool)
 
     def reset_step_breakdown(self) -> None:
         """Forget the per-kind step times (a benchmark times only its measured part)."""

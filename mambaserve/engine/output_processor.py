@@ -19,9 +19,9 @@ from mambaserve.engine.detokenizer import DecodeState, Detokenizer
 from mambaserve.engine.input_processor import ProcessedRequest
 from mambaserve.engine.sampler import prompt_logprobs
 from mambaserve.engine.sequence import Sequence, SequenceStatus
+from mambaserve.engine.structured_outputs import StructuredOutputs
 from mambaserve.outputs import CompletionOutput, RequestOutput
 from mambaserve.sampling_params import Logprob, SamplingParams
-from mambaserve.structured_outputs import StructuredOutputs
 
 
 @dataclass

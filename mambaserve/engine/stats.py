@@ -91,3 +91,14 @@ class EngineStats:
 
     def breakdown_copy(self) -> dict[str, StepKindStats]:
         return {k: dataclasses.replace(v) for k, v in self.step_breakdown.items()}
+
+    def usage(self, scheduler, slot_pool, block_pool) -> EngineUsage:
+        """These counters with the queues' lengths and the pools' use (block_pool None: no
+        attention layers, 0 / 0 blocks), as one frozen snapshot."""
+        return EngineUsage(
+            num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+            num_slots_used=slot_pool.num_used, num_slots_total=slot_pool.num_slots,
+            num_blocks_used=block_pool.num_used if block_pool is not None else 0,
+            num_blocks_total=block_pool.num_blocks if block_pool is not None else 0,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            steps=self.steps, preemptions=self.preemptions, step_breakdown=self.breakdown_copy())

@@ -11,15 +11,15 @@ schema, regex, EBNF, builtin JSON) as they are: vLLM's default backend is the sa
 
 - `grammar.py`: the compiler (the tokenizer's vocabulary as xgrammar sees it, compiled grammars
   cached by constraint) and the translation of each kind of constraint into a grammar.
-- `manager.py`: what the engine calls: a matcher per constrained sequence, the batched mask of a
-  step applied to the logits rows that need it, each sampled token advancing its matcher.
+- `mambaserve/engine/structured_outputs.py` (the engine's side, beside the sequences it reads):
+  a matcher per constrained sequence, the batched mask of a step applied to the logits rows
+  that need it, each sampled token advancing its matcher.
 
 xgrammar is imported on first use only: an engine serves unconstrained requests without it,
 and a constrained request without it is a ValueError that says how to install it.
-This package knows nothing about the scheduler, the model or HTTP.
+This package knows nothing about the engine, the scheduler, the model or HTTP.
 """
 
 from mambaserve.structured_outputs.grammar import GrammarCompiler
-from mambaserve.structured_outputs.manager import StructuredOutputs
 
-__all__ = ["GrammarCompiler", "StructuredOutputs"]
+__all__ = ["GrammarCompiler"]
