@@ -20,16 +20,22 @@ from tests.engine.engines import (
 )
 from tests.models.tiny import hf_model, skip_unless_transformers_per_group
 
+# The families the suites below also take, beyond FAMILIES (which the GPU tests share): Mamba-1;
+# Zamba2 (shared attention weights feeding one KV cache per depth); Nemotron-H with all four layer
+# kinds (M, E, *, -: MLP-only and MoE layers hold no cache); Jamba's second config (top-1 MoE after
+# every layer, attention first). Each takes the cases its own file ran before.
+MORE = ["mamba1", "zamba2", "nemotron-h-moe", "jamba-moe-every-layer"]
 
-@pytest.mark.parametrize("name", FAMILIES)
+
+@pytest.mark.parametrize("name", FAMILIES + MORE)
 def test_batched_equals_alone(name, alone):
     llm = make(name)
     assert run(llm, prompts_for(name)) == alone(name)
     assert_pools_empty(llm)
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-@pytest.mark.parametrize("budget", [1, 7, 64])
+@pytest.mark.parametrize("budget, name", [(b, n) for b in (1, 7, 64) for n in FAMILIES]
+                         + [(1, "mamba1"), (7, "mamba1"), (7, "zamba2"), (7, "nemotron-h-moe")])
 def test_chunked_prefill_equals_whole_prompts(name, budget, alone):
     llm = make(name, max_num_batched_tokens=budget)
     assert run(llm, prompts_for(name)) == alone(name)
@@ -61,7 +67,8 @@ def test_request_arriving_while_others_decode(name, alone):
     assert_pools_empty(llm)
 
 
-@pytest.mark.parametrize("name", ["granite-moe", "bamba", "falcon-h1", "jamba"])
+@pytest.mark.parametrize("name", ["granite-moe", "bamba", "falcon-h1", "jamba", "zamba2", "nemotron-h-moe",
+                                  "jamba-moe-every-layer"])
 def test_preemption_under_tiny_kv_budget(name, alone):
     # 12 blocks of 4 tokens: enough for the longest request alone (30 + 10 tokens), not for all at once
     llm = make(name, block_size=4, num_kv_blocks=12, max_model_len=48)
@@ -70,7 +77,7 @@ def test_preemption_under_tiny_kv_budget(name, alone):
     assert_pools_empty(llm)
 
 
-@pytest.mark.parametrize("name", FAMILIES + ["jamba-moe-every-layer"])
+@pytest.mark.parametrize("name", FAMILIES + ["jamba-moe-every-layer", "mamba1"])
 def test_greedy_equals_transformers_generate(name, alone):
     hf = hf_model(name)
     skip_unless_transformers_per_group(hf)
@@ -194,8 +201,9 @@ def test_prompt_logprobs_match_transformers(name):
         assert abs(got - float(ref[j - 1, p[j]])) < 1e-4 * max(1.0, abs(float(ref[j - 1, p[j]])))
 
 
-@pytest.mark.parametrize("name", ["granite-moe", "mamba2-untied", "falcon-h1", "jamba"])
-@pytest.mark.parametrize("budget", [1, 3, 7])
+@pytest.mark.parametrize("budget, name", [(b, n) for b in (1, 3, 7) for n in ("granite-moe", "mamba2-untied",
+                                                                                "falcon-h1", "jamba")]
+                         + [(7, "mamba1"), (7, "jamba-moe-every-layer")])
 def test_padded_piecewise_steps_equal_alone(name, budget, alone):
     # budget 1 (and 3 with three running) gives steps whose every sequence has one new token
     # and a state, some of them mid-prompt: the decode kernels must not get padding rows

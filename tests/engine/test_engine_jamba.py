@@ -1,31 +1,12 @@
-"""The engine on Jamba (`JambaForCausalLM`) beyond what `test_engine.py` runs on its "jamba"
-config (one of its FAMILIES: batched, chunked, arrivals, preemption, padded piecewise steps,
-async scheduling, greedy equal to transformers' generate; and through FAMILIES one of
-`test_gpu.py`'s GPU families): the "jamba-moe-every-layer" config (whose greedy output
-`test_engine.py` also checks against transformers' generate), the cache declaration, the
-stacked experts, dummy weights. CPU, float32, reference ops."""
+"""What only Jamba (`JambaForCausalLM`) has, on the engine: the cache declaration, the stacked
+experts, dummy weights. CPU, float32, reference ops. The shared cases (batched, chunked,
+arrivals, preemption, padded piecewise steps, async scheduling, greedy equal to transformers'
+generate) run its "jamba" and "jamba-moe-every-layer" configs as entries of `test_engine.py`'s
+suites, and `test_gpu.py`'s GPU families include "jamba"."""
 
 import torch
 
-from tests.engine.engines import EagerPiecewise, assert_pools_empty, make, prompts_for, run
-
-NAME = "jamba-moe-every-layer"
-
-
-def test_moe_every_layer_batched_chunked_and_preempted_equal_alone(alone):
-    """The second config (top-1 MoE after every layer, attention first): batched, in padded
-    steps of at most 7 tokens, and under a KV budget too small for all requests at once."""
-    prompts = prompts_for(NAME)
-    assert run(make(NAME), prompts) == alone(NAME)
-    llm = make(NAME, max_num_batched_tokens=7)
-    runner = llm.llm_engine.runner
-    runner.piecewise_graphs = EagerPiecewise(runner.model)
-    assert run(llm, prompts) == alone(NAME)
-    assert_pools_empty(llm)
-    llm = make(NAME, block_size=4, num_kv_blocks=12, max_model_len=48)
-    assert run(llm, prompts) == alone(NAME)
-    assert llm.llm_engine.usage().preemptions > 0
-    assert_pools_empty(llm)
+from tests.engine.engines import make, prompts_for, run
 
 
 def test_cache_spec_and_stacked_experts():

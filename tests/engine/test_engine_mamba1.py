@@ -1,50 +1,18 @@
-"""The engine on Mamba-1 (`MambaForCausalLM`, tiny config "mamba1"): greedy outputs must not
-depend on batching, chunking or padding, must equal transformers' greedy generate, and the
-pools must return to empty. CPU tests run the reference ops; the GPU tests (skipped without
-CUDA) run the Triton kernels in CUDA graphs (decode graphs and piecewise graphs, whose holes
-are the Mamba-1 mixer's conv + scan); `test_gpu.py` runs "mamba1" among its GPU families (eager
-Triton against the CPU in float32, graphs against eager in bfloat16)."""
+"""What only Mamba-1 (`MambaForCausalLM`, tiny config "mamba1") has, on the engine: its cache
+shapes and the "auto" SSM cache dtype, and (skipped without CUDA) the Triton kernels in CUDA
+graphs (decode graphs, and piecewise graphs whose holes are the Mamba-1 mixer's conv + scan)
+against eager. The shared cases (batched, chunked, padded piecewise steps, greedy equal to
+transformers' generate) run "mamba1" as entries of `test_engine.py`'s suites; `test_gpu.py`
+runs it among its GPU families (eager Triton against the CPU in float32, graphs against eager
+in bfloat16)."""
 
 import pytest
 import torch
 
 from mambaserve import SamplingParams
-from tests.engine.engines import GREEDY, EagerPiecewise, assert_pools_empty, make, prompts_for, run
-from tests.models.tiny import hf_model
+from tests.engine.engines import GREEDY, assert_pools_empty, make, prompts_for, run
 
 NAME = "mamba1"
-
-
-def test_batched_equals_alone(alone):
-    llm = make(NAME)
-    assert run(llm, prompts_for(NAME)) == alone(NAME)
-    assert_pools_empty(llm)
-
-
-@pytest.mark.parametrize("budget", [1, 7])
-def test_chunked_prefill_equals_whole_prompts(budget, alone):
-    llm = make(NAME, max_num_batched_tokens=budget)
-    assert run(llm, prompts_for(NAME)) == alone(NAME)
-    assert_pools_empty(llm)
-
-
-def test_padded_piecewise_steps_equal_alone(alone):
-    """Steps padded to a captured size as the piecewise graphs pad them (rows of no sequence)."""
-    llm = make(NAME, max_num_batched_tokens=7)
-    runner = llm.llm_engine.runner
-    runner.piecewise_graphs = EagerPiecewise(runner.model)
-    assert run(llm, prompts_for(NAME)) == alone(NAME)
-    assert_pools_empty(llm)
-
-
-def test_greedy_equals_transformers_generate(alone):
-    hf = hf_model(NAME)
-    hf.generation_config.eos_token_id = None
-    for p, ours in list(zip(prompts_for(NAME), alone(NAME)))[1:5]:
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, min_new_tokens=10,
-                              pad_token_id=0)[0, len(p):].tolist()
-        assert ours == ref
 
 
 def test_auto_ssm_cache_dtype_is_the_model_dtype():

@@ -1,39 +1,16 @@
-"""The engine on Zamba2 and Nemotron-H (CPU, float32, reference ops): greedy outputs must not
-depend on batching, chunking or preemption, and the pools must return to empty.
+"""What only Zamba2 and Nemotron-H have, on the engine: their "auto" SSM cache dtype (the
+family default), and (skipped without CUDA) CUDA graphs against eager over Zamba2's per-depth
+KV caches of one set of shared attention weights and Nemotron-H's MoE capture path.
 
-Zamba2 is the case where one set of shared attention weights feeds several KV caches (one per
-depth); Nemotron-H adds MLP-only and MoE layers that hold no cache at all.
+The shared cases (batched, chunked, preemption; GPU against CPU in float32) run "zamba2" and
+"nemotron-h-moe" (all four layer kinds: M, E, *, -) as entries of `test_engine.py`'s and
+`test_gpu.py`'s suites.
 """
 
 import pytest
 import torch
 
-from tests.engine.engines import assert_pools_empty, make, prompts_for, run
-
-FAMILIES = ["zamba2", "nemotron-h-moe"]  # nemotron-h-moe has all four layer kinds: M, E, *, -
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_batched_equals_alone(name, alone):
-    llm = make(name)
-    assert run(llm, prompts_for(name)) == alone(name)
-    assert_pools_empty(llm)
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_chunked_prefill_equals_whole_prompts(name, alone):
-    llm = make(name, max_num_batched_tokens=7)
-    assert run(llm, prompts_for(name)) == alone(name)
-    assert_pools_empty(llm)
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_preemption_under_tiny_kv_budget(name, alone):
-    # 12 blocks of 4 tokens: enough for the longest request alone (30 + 10 tokens), not for all at once
-    llm = make(name, block_size=4, num_kv_blocks=12, max_model_len=48)
-    assert run(llm, prompts_for(name)) == alone(name)
-    assert llm.llm_engine.usage().preemptions > 0
-    assert_pools_empty(llm)
+from tests.engine.engines import make, prompts_for
 
 
 @pytest.mark.parametrize("name, want", [("nemotron-h", torch.float32), ("zamba2", torch.bfloat16)])
@@ -47,21 +24,6 @@ def test_auto_ssm_cache_dtype_takes_the_family_default(name, want):
 def _gen(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("name", FAMILIES)
-def test_gpu_greedy_equals_cpu_float32(name):
-    from mambaserve import LLM, SamplingParams
-    from tests.models.tiny import checkpoint
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    kw = dict(skip_tokenizer_init=True, dtype="float32")
-    cpu = _gen(LLM(checkpoint(name), device="cpu", **kw), prompts_for(name), params)
-    gpu = _gen(LLM(checkpoint(name), device="cuda", enforce_eager=True, gpu_memory_utilization=0.05, **kw),
-               prompts_for(name), params)
-    assert gpu == cpu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

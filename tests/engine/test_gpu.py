@@ -22,7 +22,7 @@ GPU_FAMILIES = FAMILIES + ["granite-moe-absorbed", "mamba1"]
 TIE_AWARE = {"jamba"}
 
 
-@pytest.mark.parametrize("name", GPU_FAMILIES)
+@pytest.mark.parametrize("name", GPU_FAMILIES + ["zamba2", "nemotron-h-moe"])
 def test_gpu_greedy_equals_cpu_float32(name):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
