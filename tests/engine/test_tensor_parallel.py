@@ -69,6 +69,7 @@ def _assert_logprobs_close(a, b):
 
 
 @pytest.mark.parametrize("world_size, name", CASES)
+@pytest.mark.slow
 def test_outputs_equal_one_rank(world_size, name):
     want, whole_spec = _one_rank(name)
     llm = LLM(checkpoint(name), tensor_parallel_size=world_size, **ENGINE)

@@ -140,6 +140,7 @@ def test_unknown_architecture_is_a_clear_error(tmp_path):
                                   "falcon-h1", "falcon-h1-norm", pytest.param(
     # the interpreter takes over 20 s on this model (it passed when run by hand on the CPU)
     "jamba", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="slow in the Triton interpreter"))])
+@pytest.mark.slow
 def test_triton_kernels_match_the_reference_ops_in_a_model(name):
     """The whole model on the Triton path (the interpreter on CPU, compiled kernels on a GPU):
     fused add + norm, split-K out_proj partials, the decode MoE and router kernels, against the

@@ -12,6 +12,7 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,inter", [(1, 24), (7, 100), (3, 1030)])
+@pytest.mark.slow
 def test_silu_and_mul(dtype, rows, inter):
     h = torch.randn(rows, 2 * inter, device=DEVICE).to(dtype)
     with ops.backend("triton"):
@@ -117,6 +118,7 @@ def test_topk_softmax_checks_k():
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
+@pytest.mark.slow
 def test_topk_softmax_keeps_ids_in_range_for_nan_rows():
     """A graphed step's padding rows may hold NaN: their expert ids must still index weights."""
     # both top-k strategies (all at once; rounds of arg-max), with and without renormalising

@@ -64,6 +64,7 @@ def _ref(q, k_cache, v_cache, block_table, sl, qsl, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("G", [1, 4])
 @pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.slow
 def test_paged_attention_mixed_batch(dtype, G, block_size):
     specs = _mixed_specs(block_size)
     q, kc, vc, bt, sl, qsl = _make_batch(specs, block_size, 2, G, 32, dtype, DEVICE)
@@ -110,6 +111,7 @@ def _plan(q, kc, bt, sl, qsl, **kw):
                                 device=q.device, **kw)
 
 
+@pytest.mark.slow
 def test_paged_attention_takes_the_step_plan():
     """One plan from host copies serves every layer of a step; it gives what a plan built from
     a device read gives; a plan of another batch or head grouping is refused."""
@@ -157,6 +159,7 @@ def test_paged_attention_rejects_bad_input():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_reshape_and_cache_skips_padding_slots(dtype):
     num_blocks, block_size, kvh, D = 6, 8, 2, 24
     qkv = torch.randn(11, (2 + 2 * kvh) * D, device=DEVICE).to(dtype)

@@ -35,6 +35,7 @@ def _check_states(ours, expected, before, idx):
     "dtype,width,activation,with_bias",
     [(torch.float32, 4, "silu", True), (torch.bfloat16, 4, "silu", True), (torch.float32, 3, None, False)],
 )
+@pytest.mark.slow
 def test_causal_conv1d_mixed_batch(device, dtype, width, activation, with_bias):
     dim, num_slots = 300, 16  # dim is not a multiple of the feature block
     # prefills longer than a token block, shorter than the conv width, an empty sequence, decodes
@@ -56,6 +57,7 @@ def test_causal_conv1d_mixed_batch(device, dtype, width, activation, with_bias):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_causal_conv1d_takes_the_step_plan(device):
     """Token blocks built from the step's host offsets give what blocks built from a device read
     give; blocks of another batch or block size are refused."""
@@ -79,6 +81,7 @@ def test_causal_conv1d_takes_the_step_plan(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_causal_conv1d_update(device, dtype):
     batch, dim, width, num_slots = 7, 300, 4, 11
     idx = random_slots(batch, num_slots, padding=[1, 5], device=device)

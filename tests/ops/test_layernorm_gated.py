@@ -20,6 +20,7 @@ def _check(x, w, z, group_size, norm_before_gate):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group_size,norm_before_gate", [(120, False), (40, True), (24, False)])
+@pytest.mark.slow
 def test_rms_norm_gated(device, dtype, group_size, norm_before_gate):
     T, hidden = 13, 120  # 40 features per group: not a power of two
     x = torch.randn(T, hidden, device=device).to(dtype)
@@ -29,6 +30,7 @@ def test_rms_norm_gated(device, dtype, group_size, norm_before_gate):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_rms_norm_gated_no_gate_and_two_pass(device, monkeypatch):
     x = torch.randn(5, 96, device=device)
     w = torch.randn(96, device=device)
@@ -50,6 +52,7 @@ def test_rms_norm_gated_long_prompt_gpu(poison_empty):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("two_pass", [False, True])
+@pytest.mark.slow
 def test_fused_add_rms_norm(device, dtype, two_pass, monkeypatch):
     """The residual add fused into the norm: the residual is updated in place exactly as
     torch.add(residual, x, alpha) rounds it, and the norm of the updated residual matches the
@@ -79,6 +82,7 @@ def test_fused_add_rms_norm(device, dtype, two_pass, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("two_pass", [False, True])
+@pytest.mark.slow
 def test_fused_add_rms_norm_takes_partial_sums(device, two_pass, monkeypatch):
     """x as split-K partials (linear_partials' output) or strided MoE pairs: summed in order."""
     if two_pass:
@@ -108,6 +112,7 @@ def test_fused_add_rms_norm_takes_partial_sums(device, two_pass, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_fused_add_rms_norm_many_partial_sums_of_a_wide_row(device):
     """16 partial sums of a 4,096-wide row: loaded four parts at a time (the register cap)."""
     parts = torch.randn(16, 2, 4096, device=device)

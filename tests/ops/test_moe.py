@@ -44,6 +44,7 @@ def _ref(x, w1, w2, tw, ti):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 6])
 @pytest.mark.parametrize("num_tokens", [1, 37])
+@pytest.mark.slow
 def test_fused_moe_uneven_loads(dtype, top_k, num_tokens):
     x, w1, w2, tw, ti = _make(num_tokens, 48, 40, 10, top_k, dtype, DEVICE)
     with ops.backend("triton"):
@@ -64,6 +65,7 @@ def test_fused_moe_triton_path_nan_poisoned_out_and_odd_sizes():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 1), (1, 6), (3, 2), (5, 6)])
+@pytest.mark.slow
 def test_fused_moe_direct_path_for_few_pairs(dtype, num_tokens, top_k):
     """The decode path: one matrix-vector product per routed pair, odd sizes, NaN-poisoned out."""
     x, w1, w2, tw, ti = _make(num_tokens, 40, 24, 9, top_k, dtype, DEVICE, empty_experts=2)
@@ -95,6 +97,7 @@ def test_fused_moe_rejects_bad_input():
 
 
 @pytest.mark.parametrize("impl", ["direct", "triton"])
+@pytest.mark.slow
 def test_fused_moe_adds_the_shared_output_and_splits_odd_sizes(impl):
     """`add` (a shared expert's output) joins the sum before the one rounding; hidden 72 and
     inter 40 are not multiples of the direct kernels' blocks (several splits and loop trips)."""

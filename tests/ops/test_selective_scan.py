@@ -78,6 +78,7 @@ def _check_pool(ours, expected, before, idx, tol):
 @pytest.mark.parametrize("impl", ["triton", "triton-chunked", "triton-sequential", "reference"])
 @pytest.mark.parametrize("dtype,pool_dtype,N", [(torch.float32, torch.float32, 16), (torch.bfloat16, torch.float32, 24),
                                                 (torch.bfloat16, torch.bfloat16, 16)])
+@pytest.mark.slow
 def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, backend_of):
     dim, num_slots = 40, 11  # dim: one full channel block and a partial one
     # decodes (length 1, with a state), fresh prompts, chunks continuing a state, an empty sequence
@@ -102,6 +103,7 @@ def test_selective_scan_packed_batch(device, impl, dtype, pool_dtype, N, backend
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.slow
 def test_selective_scan_update_decode(device, impl, dtype):
     dim, N, num_slots, batch = 72, 16, 9, 6
     idx = random_slots(batch, num_slots, padding=[2], device=device)
@@ -116,6 +118,7 @@ def test_selective_scan_update_decode(device, impl, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_selective_scan_without_optional_inputs(device, backend_of):
     """No D, z or dt_bias, and dt taken as it is (dt_softplus=False)."""
     lens, dim, N = [4, 1, 6], 33, 16

@@ -52,6 +52,7 @@ def _poison_fresh_slots(states, idx, has):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ngroups", [1, 3])
+@pytest.mark.slow
 def test_ssd_chunk_scan_mixed_batch(device, dtype, ngroups):
     H, P, N, Q, num_slots = 3, 24, 16, 8, 16
     # lengths 1, 2, 3, Q - 1, Q, Q + 1, several chunks, then one-token decodes
@@ -73,6 +74,7 @@ def test_ssd_chunk_scan_mixed_batch(device, dtype, ngroups):
 @pytest.mark.parametrize(
     "dtype,pool_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)]
 )
+@pytest.mark.slow
 def test_ssd_chunk_scan_options(device, dtype, pool_dtype):
     """Low-precision state pools; no D, z, dt_bias or softplus (first case) and a chunk size
     that is not a power of two (second case)."""
@@ -98,6 +100,7 @@ def test_ssd_chunk_scan_options(device, dtype, pool_dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,fp32_intermediates", [(torch.float32, True), (torch.bfloat16, True),
                                                       (torch.bfloat16, False)])
+@pytest.mark.slow
 def test_ssd_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates, monkeypatch):
     """Blocks smaller than the chunk (as at chunk 256 on the GPU): several row blocks per chunk
     in every kernel, blocks wholly below the diagonal, dstate split in the C B^T kernel and
@@ -123,6 +126,7 @@ def test_ssd_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates,
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_ssd_chunk_scan_split_prompt_continues(device):
     """A prompt scanned in two calls (the second from the state the first wrote) gives the
     output of one call; chunks built from the host offsets give what a device read gives, and
@@ -173,6 +177,7 @@ def test_ssd_chunk_scan_long_prompt_gpu(poison_empty):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.slow
 def test_ssd_chunk_scan_final_states_at_strong_decay(device, chunk_size):
     """dt' A of -1e3..-1e4 per token: the in-chunk cumsum reaches -1e5 and more, where one
     float32 ulp is 1e-2. Every chunk state is sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T, so

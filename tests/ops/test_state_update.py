@@ -38,6 +38,7 @@ def _inputs(batch, H, P, G, N, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ngroups", [1, 3])
+@pytest.mark.slow
 def test_ssd_state_update(device, dtype, ngroups):
     batch, H, P, N, num_slots = 7, 3, 24, 16, 12  # headdim 24: a partial block of rows
     idx = random_slots(batch, num_slots, padding=[0, 4], device=device)
@@ -51,6 +52,7 @@ def test_ssd_state_update(device, dtype, ngroups):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pool_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.slow
 def test_ssd_state_update_low_precision_pool(device, pool_dtype):
     """bfloat16 / float16 pools; no D, z, dt_bias or softplus."""
     batch, H, P, N, num_slots = 5, 4, 16, 32, 9
