@@ -208,8 +208,8 @@ class LLMEngine:
     def _launch_next(self, step: _Step) -> _Step | None:
         """Launch the decode step that follows `step`, whose tokens are still on the device, when
         `plan_chained_decode` allows it. With a constrained sequence among them only the forward
-        is launched: its masks need the grammars after `step`'s tokens (`_take_inflight` samples
-        it). Returns the launched step, or None."""
+        is launched: its masks need the grammars after `step`'s tokens (filled while `_update`
+        processes them; `_take_inflight` samples it). Returns the launched step, or None."""
         plan = None if step.sample is None else plan_chained_decode(step.scheduled, step.result.path, self.scheduler,
                                                                      self.max_model_len)
         if plan is None:
@@ -234,7 +234,10 @@ class LLMEngine:
             (seq, token, lps) for seq, token, lps in zip(step.result.sample_seqs, sampled.token_ids, sampled.logprobs)
             if not seq.is_finished]  # finished before the step was processed: its token is dropped
         self.stats.generation_tokens += len(new_tokens)
-        finished, touched = self.output_processor.process(live, step.result.prompt_logits, new_tokens)
+        ahead = self._inflight.result.sample_seqs if self._inflight and self._inflight.sample is None else None
+        # the grammars take the tokens first: the masks of the step in flight fill meanwhile, off this thread
+        closed = self.structured_outputs.accept(new_tokens, fill_ahead=ahead)
+        finished, touched = self.output_processor.process(live, step.result.prompt_logits, new_tokens, closed)
         for seq, status in finished:
             self.scheduler.finish(seq, status)
         return self.output_processor.outputs(touched)
@@ -289,7 +292,7 @@ class LLMEngine:
 
     def usage(self) -> EngineUsage:
         """A snapshot of queue lengths, pool use and counters (cheap: call it every step)."""
-        return self.stats.usage(self.scheduler, self.slot_pool, self.block_pool)
+        return self.stats.usage(self.scheduler, self.slot_pool, self.block_pool, self.structured_outputs)
 
     def reset_step_breakdown(self) -> None:
         """Forget the per-kind step times (a benchmark times only its measured part)."""

@@ -48,8 +48,9 @@ class OutputProcessor:
     request silently; extra_eos_token_ids (generation_config.json's) and a request's
     stop_token_ids stop it with the token as stop_reason. max_model_len caps prompt + output.
     structured_outputs: the engine's grammar matchers; a constrained request's constraint is
-    compiled when it is added, each sampled token advances its sequence's matcher, and a token
-    that completes (or breaks) the constraint stops the sequence.
+    compiled when it is added; the engine advances the matchers by each step's tokens
+    (`StructuredOutputs.accept`) and a token that completes (or breaks) the constraint stops
+    the sequence here.
     """
 
     def __init__(self, tokenizer, eos_token_ids: list[int], extra_eos_token_ids: list[int], max_model_len: int,
@@ -91,12 +92,14 @@ class OutputProcessor:
 
     # ------------------------------------------------------------------ a step's results
     def process(self, live, prompt_logits: dict[str, tuple[int, torch.Tensor]],
-                new_tokens: list[tuple[Sequence, int, dict[int, Logprob] | None]]
+                new_tokens: list[tuple[Sequence, int, dict[int, Logprob] | None]], closed=frozenset()
                 ) -> tuple[list[tuple[Sequence, SequenceStatus]], list[RequestState]]:
         """Apply a step. live: its ScheduledSequences still unfinished (computed counts already
         advanced); prompt_logits: StepLogits.prompt_logits; new_tokens: (sequence, token,
-        logprobs or None) of each sampled live sequence. Returns the sequences that finish
-        with their status (for the scheduler) and the requests the step touched."""
+        logprobs or None) of each sampled live sequence; closed: the sequences whose structured
+        output their new token ended (`StructuredOutputs.accept` already fed the tokens).
+        Returns the sequences that finish with their status (for the scheduler) and the
+        requests the step touched."""
         touched: dict[str, RequestState] = {}
         for s in live:
             seq = s.seq
@@ -113,8 +116,7 @@ class OutputProcessor:
             if req.first_token_time is None:
                 req.first_token_time = now
             seq.append_token(token, lps)
-            grammar_open = self.structured_outputs.accept(seq, token)  # its matcher, if constrained
-            status = self._update_text_and_stop(req.decode[idx], seq, token, grammar_open)
+            status = self._update_text_and_stop(req.decode[idx], seq, token, seq not in closed)
             if status is not None:
                 finished.append((seq, status))
         return finished, list(touched.values())

@@ -43,6 +43,9 @@ class EngineUsage:
     prompt_tokens: prompt tokens computed for the first time (a recompute after preemption is
     not counted again); generation_tokens: tokens sampled and kept; steps: steps processed;
     preemptions: sequences preempted by recompute. step_breakdown: per kind of step (a copy).
+    structured_output_mask_s: host seconds spent filling grammar masks, on whichever thread;
+    structured_output_host_s: the engine thread's seconds on structured outputs (accepting
+    tokens, waiting for or doing fills, launching the masks): their share of the critical path.
     """
 
     num_running: int
@@ -56,6 +59,8 @@ class EngineUsage:
     steps: int
     preemptions: int
     step_breakdown: dict[str, StepKindStats]
+    structured_output_mask_s: float = 0.0
+    structured_output_host_s: float = 0.0
 
 
 @dataclass
@@ -92,13 +97,15 @@ class EngineStats:
     def breakdown_copy(self) -> dict[str, StepKindStats]:
         return {k: dataclasses.replace(v) for k, v in self.step_breakdown.items()}
 
-    def usage(self, scheduler, slot_pool, block_pool) -> EngineUsage:
-        """These counters with the queues' lengths and the pools' use (block_pool None: no
-        attention layers, 0 / 0 blocks), as one frozen snapshot."""
+    def usage(self, scheduler, slot_pool, block_pool, structured_outputs) -> EngineUsage:
+        """These counters with the queues' lengths, the pools' use (block_pool None: no
+        attention layers, 0 / 0 blocks) and the grammar masks' host seconds, as one frozen snapshot."""
         return EngineUsage(
             num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
             num_slots_used=slot_pool.num_used, num_slots_total=slot_pool.num_slots,
             num_blocks_used=block_pool.num_used if block_pool is not None else 0,
             num_blocks_total=block_pool.num_blocks if block_pool is not None else 0,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            steps=self.steps, preemptions=self.preemptions, step_breakdown=self.breakdown_copy())
+            steps=self.steps, preemptions=self.preemptions, step_breakdown=self.breakdown_copy(),
+            structured_output_mask_s=structured_outputs.mask_seconds,
+            structured_output_host_s=structured_outputs.host_seconds)
