@@ -103,6 +103,8 @@ class StructuredOutputs:
         grammar does not allow. fill_ahead: the sample_seqs of a step already launched whose masks
         follow these tokens: their fill starts on a host thread before this returns (`apply`
         takes it)."""
+        if not self._matchers:  # no constrained sequence alive: nothing to advance, nothing to fill
+            return set()
         t0 = time.perf_counter()
         self._wait_ahead()
         closed = set()
@@ -138,6 +140,8 @@ class StructuredOutputs:
         The matchers must have accepted every token before these logits'. The masks `accept`
         started filling for these `seqs` (the same list) are taken as they are; a row whose
         sequence finished since then is masked too, harmlessly (its token is dropped)."""
+        if self._ahead is None and not self._matchers:  # no constrained sequence alive
+            return
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] is seqs:
