@@ -11,8 +11,10 @@
 #   kernels            bamba-9b step profiles, the Mamba2 kernel benchmarks and sweep, the decode MoE
 #                      tile sweep (~7 min)
 #   throughput-steps   bamba-9b throughput with its step breakdown; a granite step profile (~4 min)
-#   structured-outputs granite-4.0-tiny-preview: 256 requests, 25% constrained by a JSON schema vs none
-#                      (xgrammar from the wheels in .whl/ when it is not installed; ~6 min)
+#   structured-outputs granite-4.0-tiny-preview: 256 requests, none vs 25% vs all constrained by a JSON
+#                      schema, and none vs 25% without async scheduling on a second engine (3 alternating
+#                      repeats; xgrammar from the wheels in .whl/ when it is not installed; set
+#                      MAMBASERVE_COMMIT to the measured commit: the copy has no .git; ~7 min)
 # Afterwards, in the checkout: `python3 benchmarks/file_results.py OUT/*.json --commit HASH` files the
 # latency and throughput records (and bench-models.json) under benchmarks/results/<gpu>/; kernel and
 # profile records go by hand to <gpu>/kernels/ and <gpu>/profiles/ (benchmarks/results/README.md).
@@ -27,7 +29,7 @@ case "${1:-}" in
     python3 -c "import xgrammar" 2>/dev/null || python3 -m pip install -q --no-index --find-links .whl xgrammar
     timeout 570 python3 benchmarks/structured_outputs.py --model benchmarks/configs/granite-4.0-tiny-preview.json \
       --load-format dummy --dtype bfloat16 --num-prompts 256 --constrained-fraction 0.25 \
-      --output-json "$OUT/structured-outputs-granite-4.0-tiny-preview.json" 2>&1 | tail -8
+      --output-json "$OUT/structured-outputs-granite-4.0-tiny-preview.json" 2>&1 | tail -6
     ;;
   models)
     timeout 570 python3 benchmarks/bench_models.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
