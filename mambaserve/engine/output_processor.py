@@ -111,20 +111,15 @@ class OutputProcessor:
                 seq.prompt_logprobs = [None] * seq.num_prompt_tokens  # a one-token prompt: [None]
         finished = []
         now = time.time()
-        # constrained sequences last: the grammars' verdicts (`closed`) may still be worked out off this thread
-        order = sorted(range(len(new_tokens)), key=lambda i: new_tokens[i][0].sampling_params.structured_outputs
-                       is not None) if closed else range(len(new_tokens))
-        for i in order:
-            seq, token, lps = new_tokens[i]
+        for seq, token, lps in new_tokens:
             req, idx = self._seq_owner[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
             seq.append_token(token, lps)
-            grammar_open = seq.sampling_params.structured_outputs is None or seq not in closed
-            status = self._update_text_and_stop(req.decode[idx], seq, token, grammar_open)
+            status = self._update_text_and_stop(req.decode[idx], seq, token, seq not in closed)
             if status is not None:
-                finished.append((i, seq, status))
-        return [(seq, status) for _, seq, status in sorted(finished, key=lambda f: f[0])], list(touched.values())
+                finished.append((seq, status))
+        return finished, list(touched.values())
 
     def outputs(self, touched: list[RequestState]) -> list[RequestOutput]:
         """The outputs of the touched requests; a finished request is reported and forgotten.

@@ -14,9 +14,10 @@ When the fill happens. A step scheduled and run in place fills its masks right a
 forward is launched (the fill overlaps the device's forward). A decode step chained ahead by
 async scheduling (its forward launched before the host has the previous step's tokens) needs
 the grammars after those tokens: `accept` advances the matchers by them as soon as they reach
-the host, then starts that step's fill on a host thread (xgrammar releases the GIL) while the
-engine thread detokenises, checks stops and builds outputs; `apply` only waits for it. So the
-engine thread's critical path holds the accepts and the mask's launch, not the fill.
+the host, then starts that step's fill on a host thread (xgrammar's fill releases the GIL; its
+accept_token does not, so the accepts stay on the engine thread) while the engine thread
+detokenises, checks stops and builds outputs; `apply` only waits for it. So the engine thread's
+critical path holds the accepts and the mask's launch, not the fill.
 
 Matchers live as long as their sequence (a weak map): a finished, aborted or preempted sequence
 needs no call. Preemption by recompute keeps the matcher as it is: the tokens it accepted are
@@ -56,28 +57,6 @@ def _constrained(seq: Sequence) -> bool:
     return seq.sampling_params.structured_outputs is not None
 
 
-class _Job:
-    """One hand-off to the grammar thread: accept a step's tokens, then maybe fill the masks of
-    rows `rows` of `seqs` (the step launched ahead). Also the set of sequences whose constraint
-    ended (`closed`), whose membership test waits for the accepts (and re-raises their error)."""
-
-    def __init__(self, seqs: list[Sequence] | None, rows: list[int], owner: StructuredOutputs):
-        self.seqs, self.rows, self.owner = seqs, rows, owner
-        self.closed: set[Sequence] = set()
-        self.accepted = threading.Event()
-        self.error: BaseException | None = None  # what the accepts raised
-        self.future: Future | None = None
-
-    def __contains__(self, seq: Sequence) -> bool:
-        if not self.accepted.is_set():
-            t0 = time.perf_counter()
-            self.accepted.wait()
-            self.owner.host_seconds += time.perf_counter() - t0
-        if self.error is not None:
-            raise self.error
-        return seq in self.closed
-
-
 class StructuredOutputs:
     """Grammar state of the constrained sequences of one engine.
 
@@ -99,7 +78,8 @@ class StructuredOutputs:
         self._host: torch.Tensor | None = None  # pinned (rows, words) bitmask, reused
         self._copied: torch.cuda.Event | None = None  # the last host-to-device copy of _host
         self._pool: ThreadPoolExecutor | None = None  # the one thread that fills masks ahead
-        self._ahead: _Job | None = None  # the grammar thread's last job (accepts, maybe the fill ahead)
+        # a fill started by `accept` for the step in flight: (its sample_seqs, the rows filled, the fill)
+        self._ahead: tuple[list[Sequence], list[int], Future] | None = None
 
     def add_request(self, seqs: list[Sequence]) -> None:
         """Compile the constraint of `seqs` (a request's n sequences, one SamplingParams) and give
@@ -118,50 +98,41 @@ class StructuredOutputs:
         """Whether any of `seqs` has a structured output (its sampling must wait for its grammar)."""
         return any(_constrained(seq) for seq in seqs)
 
-    def accept(self, new_tokens, fill_ahead: list[Sequence] | None = None):
+    def accept(self, new_tokens, fill_ahead: list[Sequence] | None = None) -> set[Sequence]:
         """Advance the matchers of the constrained sequences among `new_tokens` ((sequence, token,
-        ...) per sampled sequence) by their tokens, on the grammar thread. Returns the set of
-        sequences whose constraint their token ended (it was the stop token: the text is complete;
-        or, which the masks should prevent, a token the grammar does not allow): a membership
-        test waits for the accepts, so ask about constrained sequences only, and last.
-        fill_ahead: the sample_seqs of a step already launched whose masks follow these tokens:
-        the same thread fills them next (`apply` takes them)."""
+        ...) per sampled sequence) and return the sequences whose constraint their token ended: it
+        was the stop token (the text is complete) or, which the masks should prevent, a token the
+        grammar does not allow. fill_ahead: the sample_seqs of a step already launched whose masks
+        follow these tokens: their fill starts on a host thread before this returns (`apply`
+        takes it)."""
         if not self._matchers:  # no constrained sequence alive: nothing to advance, nothing to fill
-            return frozenset()
+            return set()
         t0 = time.perf_counter()
         self._wait_ahead()
-        work = [(seq, m, token) for seq, token, *_ in new_tokens if (m := self._matchers.get(seq)) is not None]
-        rows = self._rows(fill_ahead) if fill_ahead else []
-        if not work and not rows:
-            return frozenset()
-        if rows:
-            self._sync_copy()  # the host buffer is free once the previous copy has read it
-        job = _Job(fill_ahead, rows, self)
-        self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="mambaserve-grammar")
-        job.future = self._pool.submit(self._advance, job, work, [self._matchers[fill_ahead[i]] for i in rows])
-        self._ahead = job
+        closed = set()
+        for seq, token, *_ in new_tokens:
+            matcher = self._matchers.get(seq)
+            if matcher is None:
+                continue
+            if not matcher.accept_token(token):
+                logger.warning("request %s: token %d does not fit its structured output; stopping it",
+                               seq.request_id, token)
+                closed.add(seq)
+            elif matcher.is_terminated():
+                closed.add(seq)
+        if fill_ahead:
+            rows = self._rows(fill_ahead, closed)
+            if rows:
+                matchers = [self._matchers[fill_ahead[i]] for i in rows]
+                self._pool = self._pool or ThreadPoolExecutor(1, thread_name_prefix="mambaserve-grammar")
+                self._sync_copy()  # the host buffer is free once the previous copy has read it
+                started = threading.Event()
+                self._ahead = (fill_ahead, rows, self._pool.submit(self._fill, matchers, started))
+                # the fill needs the GIL to start, which this thread would hold for a switch interval
+                # (5 ms) while it processes the step: hand it over until xgrammar has it (GIL released)
+                started.wait()
         self.host_seconds += time.perf_counter() - t0
-        return job
-
-    def _advance(self, job: _Job, work: list, ahead_matchers: list) -> torch.Tensor | None:
-        """The grammar thread's job: accept the tokens, then fill the masks of job.rows not ended
-        by them (job.rows is narrowed to those). Returns the bitmask, or None without rows."""
-        try:
-            for seq, matcher, token in work:
-                if not matcher.accept_token(token):
-                    logger.warning("request %s: token %d does not fit its structured output; stopping it",
-                                   seq.request_id, token)
-                    job.closed.add(seq)
-                elif matcher.is_terminated():
-                    job.closed.add(seq)
-        except BaseException as e:
-            job.error = e
-            raise
-        finally:
-            job.accepted.set()
-        keep = [k for k, i in enumerate(job.rows) if job.seqs[i] not in job.closed]
-        job.rows = [job.rows[k] for k in keep]
-        return self._fill([ahead_matchers[k] for k in keep]) if keep else None
+        return closed
 
     def _rows(self, seqs: list[Sequence], skip=()) -> list[int]:
         """Rows of `seqs` to mask: constrained, not finished (a chained step's row of a sequence that
@@ -179,12 +150,11 @@ class StructuredOutputs:
             return
         t0 = time.perf_counter()
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.seqs is seqs:
-            bitmask = ahead.future.result()
-            rows = ahead.rows
+        if ahead is not None and ahead[0] is seqs:
+            rows, bitmask = ahead[1], ahead[2].result()
         else:
             if ahead is not None:
-                ahead.future.result()  # accepts, or masks of a step that was dropped: finish them first
+                ahead[2].result()  # masks of a step that was dropped: let the fill finish before any other
             rows = self._rows(seqs)
             if rows:
                 self._sync_copy()
@@ -223,19 +193,24 @@ class StructuredOutputs:
     def _wait_ahead(self) -> None:
         """Let a fill ahead finish (its masks stay for `apply`): matchers may not change under it."""
         if self._ahead is not None:
-            self._ahead.future.result()
+            self._ahead[2].result()
 
-    def _fill(self, matchers: list) -> torch.Tensor:
-        """The next-token bitmasks of `matchers`, one row each, in the reused host buffer (any thread)."""
+    def _fill(self, matchers: list, started: threading.Event | None = None) -> torch.Tensor:
+        """The next-token bitmasks of `matchers`, one row each, in the reused host buffer (any thread;
+        `started` is set just before xgrammar's fill, which runs without the GIL)."""
         t0 = time.perf_counter()
-        xgr = self.compiler.xgr
-        n, words = len(matchers), (self.vocab_size + 31) // 32
-        if self._host is None or self._host.shape[0] < n:
-            self._host = torch.empty((max(n, 2 * (0 if self._host is None else self._host.shape[0])), words),
-                                     dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        host = self._host[:n]
-        if self._batch is None:
-            self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
+        try:
+            xgr = self.compiler.xgr
+            n, words = len(matchers), (self.vocab_size + 31) // 32
+            if self._host is None or self._host.shape[0] < n:
+                self._host = torch.empty((max(n, 2 * (0 if self._host is None else self._host.shape[0])), words),
+                                         dtype=torch.int32, pin_memory=torch.cuda.is_available())
+            host = self._host[:n]
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher(self.fill_threads)
+        finally:
+            if started is not None:
+                started.set()  # also when the above failed: the error comes with the result
         self._batch.batch_fill_next_token_bitmask(matchers, host)
         self.mask_seconds += time.perf_counter() - t0
         return host

@@ -108,9 +108,9 @@ def _run(async_scheduling, prompts, params):
     so = llm.llm_engine.structured_outputs
     threads, fill = [], so._fill
 
-    def recording(matchers):
+    def recording(matchers, *args):
         threads.append(threading.current_thread() is not threading.main_thread())
-        return fill(matchers)
+        return fill(matchers, *args)
 
     so._fill = recording
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -135,3 +135,22 @@ def test_outputs_with_the_fill_ahead_equal_those_without_async_scheduling():
     assert out == ref
     assert not any(ref_threads) and any(threads)  # without async every fill is in place; with it, some ran ahead
     assert usage.structured_output_mask_s > 0 and usage.structured_output_host_s > 0
+
+
+@pytest.mark.parametrize("where", ["prologue", "fill"])
+def test_a_failing_fill_ahead_raises_at_apply_and_never_hangs(tokenizer, monkeypatch, where):
+    so = StructuredOutputs(tokenizer, 4096, [0])
+    seqs = [FakeSeq(_params(dict(regex=r"[a-z]+")))]
+    so.add_request(seqs)
+
+    class Broken:
+        def batch_fill_next_token_bitmask(self, *args):
+            raise RuntimeError("fill failed")
+
+    if where == "fill":
+        so._batch = Broken()
+    else:  # before xgrammar's call: the engine thread waits for the fill to start, and must not wait forever
+        monkeypatch.setattr(type(so.compiler), "xgr", property(lambda self: Broken.no_such_attribute))
+    so.accept([(seqs[0], 5)], fill_ahead=seqs)
+    with pytest.raises((RuntimeError, AttributeError)):
+        so.apply(torch.zeros(1, 4096), seqs)
