@@ -18,8 +18,7 @@ import torch
 xgr = pytest.importorskip("xgrammar")
 
 from mambaserve import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
-from mambaserve.structured_outputs import StructuredOutputs  # noqa: E402
-from mambaserve.structured_outputs.manager import default_fill_threads  # noqa: E402
+from mambaserve.engine.structured_outputs import StructuredOutputs, default_fill_threads  # noqa: E402
 
 DEMO = Path(__file__).resolve().parents[2] / "mambaserve" / "assets" / "demo-model"
 SCHEMA = {"type": "object", "properties": {"k": {"type": "string", "maxLength": 6}, "v": {"type": "integer"}},
