@@ -17,6 +17,12 @@ The rules, in order:
   (usable slots times one longest sequence) could fill; they must hold one longest sequence.
 - State slots then take what the blocks leave, up to the wanted number, and max_num_seqs is
   clamped to the usable slots.
+- With prefix caching, the state checkpoints (rows of a slot's size, `cache.checkpoint_pool`)
+  come last: slots are sized as without caching, the KV blocks then take what is left except a
+  tenth of the budget, and the checkpoints take what the blocks leave, at most one per usable
+  slot (max_num_seqs). num_state_checkpoints sets their number instead (its bytes kept from the
+  blocks). When the blocks so cut would not hold one max_model_len sequence, the checkpoints
+  yield (default: none; a forced number: the error of the blocks).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ class PoolSizes:
     """What `size_pools` decided.
 
     num_slots: state slots, the scratch slot (the last one) included. num_blocks: KV blocks
-    (0 for a model without attention layers). max_num_seqs: most running requests
+    (0 for a model without attention layers). num_checkpoints: state checkpoint rows of prefix
+    caching, beside the slots (rows num_slots .. num_slots + num_checkpoints - 1). max_num_seqs: most running requests
     (<= num_slots - 1). max_num_batched_tokens: tokens per step. max_model_len: longest prompt
     plus output, in tokens. notes: (logging level, message) pairs for what was clamped, in the
     order decided; the caller logs them.
@@ -45,6 +52,7 @@ class PoolSizes:
     max_num_batched_tokens: int
     max_model_len: int
     notes: tuple[tuple[int, str], ...] = ()
+    num_checkpoints: int = 0
 
     @property
     def scratch_slot(self) -> int:
@@ -65,6 +73,42 @@ def _ceil_div(a: int, b: int) -> int:
 
 def size_pools(
     *,
+    enable_prefix_caching: bool = False,
+    num_state_checkpoints: int | None = None,
+    **kw,
+) -> PoolSizes:
+    """Size the state slots, KV blocks and (enable_prefix_caching) state checkpoints to a
+    memory budget (rules: module docstring). kw: `_size_running_pools`'s arguments, which say
+    what they mean and the ValueErrors raised. num_state_checkpoints: the checkpoint rows (None:
+    the budget's share)."""
+    sizes = _size_running_pools(**kw)
+    slot_bytes = kw["slot_bytes"]
+    if not enable_prefix_caching or slot_bytes <= 0 or num_state_checkpoints == 0:
+        return sizes
+    budget, block_bytes = kw["budget_bytes"], kw["block_bytes"]
+    reserve = budget // 10 if num_state_checkpoints is None else num_state_checkpoints * slot_bytes
+    if block_bytes > 0 and kw.get("num_kv_blocks") is None:
+        # the same slots and max_model_len, the blocks in the budget less the checkpoints' share
+        cut = dict(kw, budget_bytes=budget - reserve, num_state_slots=sizes.num_slots,
+                   max_model_len=sizes.max_model_len)
+        try:
+            cut_sizes = _size_running_pools(**cut)
+        except ValueError:
+            if num_state_checkpoints is not None:
+                raise
+            cut_sizes = sizes  # one longest sequence's blocks come first
+        sizes = PoolSizes(**{**cut_sizes.__dict__, "notes": sizes.notes})
+    if num_state_checkpoints is not None:
+        n = num_state_checkpoints
+    else:
+        left = budget - sizes.num_slots * slot_bytes - sizes.num_blocks * block_bytes
+        n = max(0, min(left // slot_bytes, sizes.max_num_seqs))
+    note = (logging.INFO, f"prefix caching: {n} state checkpoints of {slot_bytes} bytes beside the slots")
+    return PoolSizes(**{**sizes.__dict__, "num_checkpoints": int(n), "notes": (*sizes.notes, note)})
+
+
+def _size_running_pools(
+    *,
     budget_bytes: int,
     slot_bytes: int,
     block_bytes: int,
@@ -79,7 +123,8 @@ def size_pools(
     enable_chunked_prefill: bool = True,
     on_gpu: bool = False,
 ) -> PoolSizes:
-    """Size the state slot and KV block pools to a memory budget (rules: module docstring).
+    """Size the state slot and KV block pools to a memory budget (rules: module docstring,
+    those before prefix caching's).
 
     budget_bytes: bytes the caches may take (may be negative: nothing fits). slot_bytes: conv +
     SSM state of one request over all Mamba layers. block_bytes: K and V of one block of

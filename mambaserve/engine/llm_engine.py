@@ -29,6 +29,8 @@ import torch
 
 from mambaserve.cache.block_pool import BlockPool
 from mambaserve.cache.budget import PoolSizes
+from mambaserve.cache.checkpoint_pool import StateCheckpointPool
+from mambaserve.cache.prefix_cache import PrefixCache
 from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.config import EngineConfig
 from mambaserve.distributed import SINGLE
@@ -85,10 +87,16 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(tok, runner.vocab_size, eos + extra_eos)
         self.output_processor = OutputProcessor(tok, eos, extra_eos, runner.max_model_len, self.structured_outputs)
         self.slot_pool = StateSlotPool(runner.num_slots - 1)  # the last slot is the scratch slot
-        self.block_pool = BlockPool(runner.num_blocks, config.block_size) if runner.has_attention else None
+        self.block_pool = (BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+                           if runner.has_attention else None)
+        prefix_cache = PrefixCache(  # checkpoint rows follow the slots in the state tensors
+            block_pool=self.block_pool, checkpoints=StateCheckpointPool(runner.num_checkpoints, runner.num_slots),
+            mamba_block_size=config.cache_config.resolved_mamba_block_size, has_state=bool(runner.spec.mamba),
+        ) if config.enable_prefix_caching else None
         self.scheduler = Scheduler(
             max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
-            slot_pool=self.slot_pool, block_pool=self.block_pool, enable_chunked_prefill=config.enable_chunked_prefill)
+            slot_pool=self.slot_pool, block_pool=self.block_pool, enable_chunked_prefill=config.enable_chunked_prefill,
+            prefix_cache=prefix_cache)
         self.sampler = Sampler(eos + extra_eos or None)
         self.stats = EngineStats()
         self._counter = itertools.count()

@@ -115,12 +115,15 @@ class ModelRunner:
         self.ssm_dtype = dtypes.ssm
         self.spec = self.model.cache_spec(dtypes)
         self.has_attention = self.spec.has_attention
+        config.cache_config.check_model(self.has_attention)
         self.block_size = config.block_size
         self.vocab_size = self.model.config.vocab_size
         self.load_seconds = time.perf_counter() - t0
         logger.debug("loaded %s in %.1f s", type(self.model).__name__, self.load_seconds)
         self._size_caches()
-        self.caches = allocate_caches(self.spec, num_slots=self.num_slots, num_blocks=max(self.num_blocks, 1),
+        # the checkpoint rows of prefix caching follow the slots in the same state tensors
+        self.caches = allocate_caches(self.spec, num_slots=self.num_slots + self.num_checkpoints,
+                                      num_blocks=max(self.num_blocks, 1),
                                       block_size=self.block_size, device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
         self.decode_graphs = self.piecewise_graphs = None
@@ -215,21 +218,23 @@ class ModelRunner:
             block_size=self.block_size, model_max_len=getattr(self.model.config, "max_position_embeddings", None),
             max_num_batched_tokens=self.max_num_batched_tokens, default_max_num_seqs=cfg.resolved_max_num_seqs(),
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_state_slots=cfg.num_state_slots,
-            num_kv_blocks=cfg.num_kv_blocks, enable_chunked_prefill=cfg.enable_chunked_prefill, on_gpu=on_gpu)
+            num_kv_blocks=cfg.num_kv_blocks, enable_chunked_prefill=cfg.enable_chunked_prefill, on_gpu=on_gpu,
+            enable_prefix_caching=cfg.enable_prefix_caching, num_state_checkpoints=cfg.num_state_checkpoints)
         for level, message in sizes.notes:
             logger.log(level, message)
         self.sizes = sizes
         self.num_slots, self.num_blocks = sizes.num_slots, sizes.num_blocks
+        self.num_checkpoints = sizes.num_checkpoints
         self.max_num_seqs, self.max_model_len = sizes.max_num_seqs, sizes.max_model_len
         self.scratch_slot = sizes.scratch_slot  # reserved: padding rows of CUDA graphs
         # bytes of what the engine holds for good (reported by `generate` and the benchmarks)
         self.memory = MemoryUsage(
             weights_bytes=sum(t.numel() * t.element_size() for t in
                               {id(p): p for p in self.model.parameters()}.values()),
-            state_cache_bytes=self.num_slots * slot_bytes,
+            state_cache_bytes=(self.num_slots + self.num_checkpoints) * slot_bytes,
             kv_cache_bytes=self.num_blocks * block_bytes)
-        logger.debug("caches: %d state slots (%.1f MiB each), %d KV blocks of %d tokens", self.num_slots,
-                    slot_bytes / 2**20, self.num_blocks, self.block_size)
+        logger.debug("caches: %d state slots (%.1f MiB each), %d state checkpoints, %d KV blocks of %d tokens",
+                     self.num_slots, slot_bytes / 2**20, self.num_checkpoints, self.num_blocks, self.block_size)
 
     # ---------------------------------------------------------------- step
     @staticmethod
@@ -239,9 +244,14 @@ class ModelRunner:
         sequence's request id and the absolute position of its first row."""
         ids, positions, query_lens, slots, tables = [], [], [], [], []
         sample_rows, sample_seqs, prompt_rows, prompt_owners = [], [], [], []
+        loads, saves = [], []
         offset = 0
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
+            if s.load_checkpoint is not None:
+                loads.append((s.load_checkpoint, seq.state_slot))
+            if s.save_checkpoint is not None:
+                saves.append((seq.state_slot, s.save_checkpoint))
             start = seq.num_computed_tokens
             ids.extend(seq.get_token_ids(start, start + n))
             positions.extend(range(start, start + n))
@@ -257,7 +267,8 @@ class ModelRunner:
                 prompt_rows.append((offset, m))
                 prompt_owners.append((seq.request_id, start))
             offset += n
-        step = StepInput(ids, positions, query_lens, slots, tables, sample_rows, prompt_rows)
+        step = StepInput(ids, positions, query_lens, slots, tables, sample_rows, prompt_rows,
+                         checkpoint_loads=loads, checkpoint_saves=saves)
         return step, sample_seqs, prompt_owners
 
     @torch.inference_mode()
@@ -289,7 +300,28 @@ class ModelRunner:
             ) -> tuple[torch.Tensor | None, list[torch.Tensor], str]:
         """The forward of one step, as every rank runs it: (logits of step.sample_rows (None
         when none), logits of each of step.prompt_rows, how it ran: StepLogits.path). tokens:
-        a chained decode's device tokens (step.device_tokens of them)."""
+        a chained decode's device tokens (step.device_tokens of them). The step's checkpoint
+        copies run eagerly around the forward (never inside a captured graph)."""
+        self._copy_states(step.checkpoint_loads)
+        result = self._forward(step, tokens)
+        self._copy_states(step.checkpoint_saves)
+        return result
+
+    def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy state rows src -> dst of every Mamba layer's conv and SSM state, for (src, dst)
+        in pairs (prefix caching's checkpoints): one gather and one scatter per tensor."""
+        if not pairs:
+            return
+        index = torch.tensor(pairs, dtype=torch.int64).T  # (2, n): sources, destinations
+        if self.device.type == "cuda":
+            index = index.contiguous().pin_memory()  # a pageable copy would wait for the stream
+        src, dst = index.to(self.device, non_blocking=True)
+        for conv, ssm in self.caches.mamba:
+            conv.index_copy_(0, dst, conv.index_select(0, src))
+            ssm.index_copy_(0, dst, ssm.index_select(0, src))
+
+    def _forward(self, step: StepInput, tokens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor | None, list[torch.Tensor], str]:
         graphs = self.decode_graphs
         if step.one_token_each and graphs is not None and len(step.query_lens) <= graphs.max_size:
             if step.device_tokens is None:

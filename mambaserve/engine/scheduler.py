@@ -28,6 +28,17 @@ The batch lists decodes first, then chunks of running prefills, then the new adm
 sequence is never scheduled twice in one step. Every running sequence holds a state slot;
 waiting ones hold neither a slot nor blocks.
 
+Prefix caching (`prefix_cache`, `cache.prefix_cache`): at the start of each `schedule()` the
+checkpoints the previous step saved become visible and every running sequence's full, computed
+blocks are registered (so a prefix computed in a step is never matched within that step). An
+admitted sequence first matches its prefix: its block table starts with the cached blocks
+(shared, never written), `num_computed_tokens` with the matched tokens, and its first chunk
+copies the checkpoint row into its slot (`load_checkpoint`). A prefill chunk that would pass
+one of the sequence's `checkpoint_positions` ends there instead, and its step copies the slot
+into a checkpoint row (`save_checkpoint`); without chunked prefill too (the rest of the prompt
+is the next step's running prefill). A sequence asking for prompt logprobs matches nothing
+(they need every prompt row's logits). Released blocks keep their hashes (cached).
+
 Assumptions the engine guarantees: each sequence fits the KV pool on its own (so the oldest
 running sequence always makes progress and there is no livelock); without chunked prefill,
 `max_num_batched_tokens` covers the longest prompt (checked in `add`). The one exception to
@@ -41,7 +52,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from mambaserve.cache.block_pool import BlockPool
-from mambaserve.cache.prefix_cache import PrefixCacheStats
+from mambaserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch
 from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.engine.sequence import Sequence, SequenceStatus
 
@@ -53,6 +64,8 @@ class ScheduledSequence:
 
     seq: Sequence
     num_new_tokens: int
+    load_checkpoint: int | None = None  # state row copied into seq.state_slot before the forward
+    save_checkpoint: int | None = None  # state row seq.state_slot is copied into after the forward
 
 
 @dataclass
@@ -76,7 +89,8 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting queue, running batch and the state/KV resources they hold (policy: module doc).
 
-    block_pool is None when the model has no attention layers.
+    block_pool is None when the model has no attention layers; prefix_cache None: no prefix
+    caching (it works over the same block_pool).
     """
 
     def __init__(
@@ -87,6 +101,7 @@ class Scheduler:
         slot_pool: StateSlotPool,
         block_pool: BlockPool | None,
         enable_chunked_prefill: bool = True,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -100,12 +115,20 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._by_id: dict[str, Sequence] = {}
-        self.prefix_cache_stats = PrefixCacheStats()
+        assert prefix_cache is None or prefix_cache.block_pool is block_pool
+        self.prefix_cache = prefix_cache
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache queries and hits in tokens (all zero without prefix caching)."""
+        return self.prefix_cache.stats if self.prefix_cache is not None else PrefixCacheStats()
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached KV block and state checkpoint that no running request uses.
-        Returns False, dropping nothing, while any request runs (vLLM's semantics)."""
-        return not self.running
+        """Drop every cached KV block and state checkpoint. Returns False, dropping nothing,
+        while any request runs (vLLM's semantics); True without prefix caching."""
+        if self.running:
+            return False
+        return self.prefix_cache is None or self.prefix_cache.reset()
 
     @property
     def num_running(self) -> int:
@@ -163,6 +186,10 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         scheduled_ids: set[int] = set()  # id() of sequences scheduled in this step
         preempted: list[Sequence] = []
+        if self.prefix_cache is not None:
+            self.prefix_cache.checkpoints.commit()  # the previous step, which saved them, is launched
+            for seq in self.running:
+                self._register_blocks(seq)
 
         for decodes in (True, False):
             for seq in list(self.running):
@@ -174,7 +201,7 @@ class Scheduler:
                 assert remaining >= 1, f"running {seq} has nothing to compute"
                 if (remaining == 1) != decodes:
                     continue
-                num_new = min(remaining, budget)
+                num_new = self._to_checkpoint(seq, min(remaining, budget))
                 while not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
                     victim = next(s for s in reversed(self.running) if id(s) not in scheduled_ids)
                     self._preempt(victim)
@@ -183,7 +210,7 @@ class Scheduler:
                         break
                 if seq.status != SequenceStatus.RUNNING:
                     continue
-                scheduled.append(ScheduledSequence(seq, num_new))
+                scheduled.append(ScheduledSequence(seq, num_new, save_checkpoint=self._save_row(seq, num_new)))
                 scheduled_ids.add(id(seq))
                 budget -= num_new
 
@@ -194,16 +221,19 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             seq = self.waiting[0]
-            remaining = seq.num_uncomputed_tokens
+            match = self._match(seq)
+            remaining = seq.num_tokens - match.num_tokens
             if remaining <= budget:
                 num_new = remaining
             elif self.enable_chunked_prefill or remaining > self.max_num_batched_tokens:
                 num_new = budget
             else:
                 break
-            if not self._admit(seq, num_new):
+            if not self._admit(seq, num_new, match):
                 break
-            scheduled.append(ScheduledSequence(seq, num_new))
+            num_new = self._to_checkpoint(seq, num_new)
+            scheduled.append(ScheduledSequence(seq, num_new, load_checkpoint=match.checkpoint_row,
+                                               save_checkpoint=self._save_row(seq, num_new)))
             scheduled_ids.add(id(seq))
             budget -= num_new
 
@@ -230,23 +260,78 @@ class Scheduler:
         seq.block_table.extend(self.block_pool.allocate(missing))
         return True
 
-    def _admit(self, seq: Sequence, num_new: int) -> bool:
-        """Move the head of the waiting queue to running with a slot and its first chunk's
-        blocks; False (nothing taken) if either is short."""
+    def _admit(self, seq: Sequence, num_new: int, match: PrefixMatch) -> bool:
+        """Move the head of the waiting queue to running with a slot, its matched prefix (the
+        cached blocks, shared) and its first chunk's blocks; False (nothing taken) if the slot
+        or the blocks are short. Counts the prefix-cache query and plans its checkpoints."""
         assert seq.num_computed_tokens == 0 and seq.state_slot is None and not seq.block_table
         if self.slot_pool.num_free == 0:
             return False
+        cached = match.blocks or []
         if self.block_pool is not None and not self.block_pool.can_allocate(
-            self.block_pool.blocks_needed(num_new)
+            self.block_pool.blocks_needed(match.num_tokens + num_new) - len(cached), reusing=cached
         ):
             return False
-        ok = self._grow_blocks(seq, num_new)
+        if cached:
+            self.block_pool.touch(cached)
+            seq.block_table = list(cached)
+        seq.num_registered_blocks = len(cached)
+        seq.num_computed_tokens = match.num_tokens
+        ok = self._grow_blocks(seq, match.num_tokens + num_new)
         assert ok
         seq.state_slot = self.slot_pool.allocate()
         self.waiting.popleft()
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
+        cache = self.prefix_cache
+        if cache is not None:
+            if seq.num_preemptions == 0:  # vLLM: a re-admission counts apart; num_cached_tokens stays
+                cache.stats.queries += seq.num_prompt_tokens
+                cache.stats.hits += match.num_tokens
+                seq.num_cached_tokens = match.num_tokens
+            else:
+                cache.stats.preempted_queries += seq.num_tokens
+                cache.stats.preempted_hits += match.num_tokens
+            seq.checkpoint_positions = cache.plan_checkpoints(seq.block_hashes, match.num_tokens,
+                                                              seq.num_prompt_tokens)
         return True
+
+    # -- prefix caching ----------------------------------------------------------------------
+
+    def _match(self, seq: Sequence) -> PrefixMatch:
+        """The cached prefix a waiting sequence can resume from (nothing taken yet)."""
+        cache = self.prefix_cache
+        if cache is None or seq.sampling_params.prompt_logprobs is not None:
+            return PrefixMatch()
+        cache.extend_hashes(seq.block_hashes, seq.get_token_ids, seq.num_tokens)
+        return cache.match(seq.block_hashes, seq.num_tokens)
+
+    def _to_checkpoint(self, seq: Sequence, num_new: int) -> int:
+        """num_new, cut so that the chunk ends at the sequence's next checkpoint position."""
+        start, positions = seq.num_computed_tokens, seq.checkpoint_positions
+        while positions and positions[0] <= start:
+            positions.pop(0)
+        return min(num_new, positions[0] - start) if positions else num_new
+
+    def _save_row(self, seq: Sequence, num_new: int) -> int | None:
+        """The checkpoint row this step saves the sequence's slot into: when its chunk ends at
+        its next checkpoint position (None otherwise, or when no row can be had)."""
+        positions = seq.checkpoint_positions
+        if not positions or seq.num_computed_tokens + num_new != positions[0]:
+            return None
+        positions.pop(0)
+        return self.prefix_cache.reserve_checkpoint(seq.block_hashes, seq.num_computed_tokens + num_new)
+
+    def _register_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's blocks that are full and computed (their KV is in the cache
+        once the steps that wrote them ran: the engine counts a chunk computed after its step)."""
+        if self.block_pool is None:
+            return
+        end = min(seq.num_computed_tokens // self.block_pool.block_size, len(seq.block_table))
+        if end > seq.num_registered_blocks:
+            self.prefix_cache.extend_hashes(seq.block_hashes, seq.get_token_ids, end * self.block_pool.block_size)
+            self.prefix_cache.register_blocks(seq.block_hashes, seq.block_table, seq.num_registered_blocks, end)
+            seq.num_registered_blocks = end
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: release everything, back to the front of the waiting queue."""
@@ -258,6 +343,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _release(self, seq: Sequence) -> None:
+        """Free the slot and let go of the blocks (computed full ones registered first: they
+        stay cached for later requests)."""
+        if self.prefix_cache is not None:
+            self._register_blocks(seq)
+            seq.num_registered_blocks = 0
+            seq.checkpoint_positions = []
         if seq.state_slot is not None:
             self.slot_pool.free(seq.state_slot)
             seq.state_slot = None

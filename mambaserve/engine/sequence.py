@@ -62,7 +62,10 @@ class Sequence:
     request's own RNG when it has a seed; created by the sampler on the logits' device),
     num_preemptions, num_cached_tokens (prompt tokens served from the prefix cache when it was
     first admitted: 0 without a hit; kept as first set for the life of the request, after a
-    preemption too, as vLLM's `num_cached_tokens`).
+    preemption too, as vLLM's `num_cached_tokens`). Prefix-cache bookkeeping of the scheduler:
+    block_hashes (keys of the full hash blocks of all_token_ids so far, `cache.prefix_cache`),
+    num_registered_blocks (blocks of block_table registered in the cache), checkpoint_positions
+    (where the prefill ends a chunk to take a state checkpoint, increasing).
     """
 
     def __init__(
@@ -93,7 +96,9 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0
-        self._cached_tokens_set = False  # num_cached_tokens is set once, at the first admission
+        self.block_hashes: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.checkpoint_positions: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:

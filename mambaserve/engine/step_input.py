@@ -13,7 +13,7 @@ At tensor_parallel_size 1 nothing is sent. This module knows nothing of sequence
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,7 +29,10 @@ class StepInput:
     `device_tokens` entries. positions: of each new token (num_tokens,). query_lens, state_slots:
     per sequence. block_tables: per sequence, or None without attention layers. sample_rows:
     the rows whose logits are sampled, in order; prompt_rows: (first row, rows) of each prompt
-    slice whose logits are wanted (prompt logprobs), in order.
+    slice whose logits are wanted (prompt logprobs), in order. checkpoint_loads: (checkpoint
+    row, slot) pairs of prefix caching, each checkpoint's state copied into the slot before
+    the forward; checkpoint_saves: (slot, checkpoint row) pairs, copied after it (rows of the
+    same state tensors: `cache.checkpoint_pool`). Every rank applies them to its own shard.
     """
 
     token_ids: list[int]
@@ -41,6 +44,8 @@ class StepInput:
     prompt_rows: list[tuple[int, int]]
     device_tokens: int | None = None
     token_rows: list[int] | None = None
+    checkpoint_loads: list[tuple[int, int]] = field(default_factory=list)
+    checkpoint_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def starts(self) -> list[int]:
