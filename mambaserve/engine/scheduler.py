@@ -301,9 +301,11 @@ class Scheduler:
     def _match(self, seq: Sequence) -> PrefixMatch:
         """The cached prefix a waiting sequence can resume from (nothing taken yet)."""
         cache = self.prefix_cache
-        if cache is None or seq.sampling_params.prompt_logprobs is not None:
+        if cache is None:
             return PrefixMatch()
-        cache.extend_hashes(seq.block_hashes, seq.get_token_ids, seq.num_tokens)
+        cache.extend_hashes(seq.block_hashes, seq.get_token_ids, seq.num_tokens)  # its checkpoints need them too
+        if seq.sampling_params.prompt_logprobs is not None:
+            return PrefixMatch()
         return cache.match(seq.block_hashes, seq.num_tokens)
 
     def _to_checkpoint(self, seq: Sequence, num_new: int) -> int:
