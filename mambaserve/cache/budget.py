@@ -19,8 +19,9 @@ The rules, in order:
   clamped to the usable slots.
 - With prefix caching, the state checkpoints (rows of a slot's size, `cache.checkpoint_pool`)
   come last: slots are sized as without caching, the KV blocks then take what is left except a
-  tenth of the budget, and the checkpoints take what the blocks leave, at most one per usable
-  slot (max_num_seqs). num_state_checkpoints sets their number instead (its bytes kept from the
+  tenth of the budget, and the checkpoints take what the blocks leave, at most
+  max(max_num_seqs, MIN_CHECKPOINT_CAP) of them (a few running requests may still serve many
+  cached prefixes; the cap keeps a model whose blocks leave much unused from taking it all). num_state_checkpoints sets their number instead (its bytes kept from the
   blocks). When the blocks so cut would not hold one max_model_len sequence, the checkpoints
   yield (default: none; a forced number: the error of the blocks).
 """
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+
+MIN_CHECKPOINT_CAP = 256  # state checkpoints a budget may hold even with few running slots
 
 # a model config without max_position_embeddings: no limit of its own
 _UNLIMITED_MODEL_LEN = 1 << 20
@@ -102,7 +105,7 @@ def size_pools(
         n = num_state_checkpoints
     else:
         left = budget - sizes.num_slots * slot_bytes - sizes.num_blocks * block_bytes
-        n = max(0, min(left // slot_bytes, sizes.max_num_seqs))
+        n = max(0, min(left // slot_bytes, max(sizes.max_num_seqs, MIN_CHECKPOINT_CAP)))
     note = (logging.INFO, f"prefix caching: {n} state checkpoints of {slot_bytes} bytes beside the slots")
     return PoolSizes(**{**sizes.__dict__, "num_checkpoints": int(n), "notes": (*sizes.notes, note)})
 
