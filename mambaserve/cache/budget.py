@@ -20,10 +20,12 @@ The rules, in order:
 - With prefix caching, the state checkpoints (rows of a slot's size, `cache.checkpoint_pool`)
   come last: slots are sized as without caching, the KV blocks then take what is left except a
   tenth of the budget, and the checkpoints take what the blocks leave, at most
-  max(max_num_seqs, MIN_CHECKPOINT_CAP) of them (a few running requests may still serve many
-  cached prefixes; the cap keeps a model whose blocks leave much unused from taking it all). num_state_checkpoints sets their number instead (its bytes kept from the
-  blocks). When the blocks so cut would not hold one max_model_len sequence, the checkpoints
-  yield (default: none; a forced number: the error of the blocks).
+  max(max_num_seqs, MIN_CHECKPOINT_CAP) rows (a few running requests may still serve many cached
+  prefixes; the cap keeps a model whose blocks leave much unused from taking all of it).
+  num_state_checkpoints sets their number instead, its bytes taken from the blocks'. When the
+  blocks so cut would not hold one max_model_len sequence, the checkpoints yield: the blocks
+  are sized as without caching and the checkpoints take what is left (a forced number: the
+  blocks' ValueError).
 """
 
 from __future__ import annotations
@@ -107,6 +109,9 @@ def size_pools(
         left = budget - sizes.num_slots * slot_bytes - sizes.num_blocks * block_bytes
         n = max(0, min(left // slot_bytes, max(sizes.max_num_seqs, MIN_CHECKPOINT_CAP)))
     note = (logging.INFO, f"prefix caching: {n} state checkpoints of {slot_bytes} bytes beside the slots")
+    if n == 0:
+        note = (logging.WARNING, "prefix caching: no room for state checkpoints beside the slots, so no prefix "
+                                 "can be resumed; lower max_num_seqs or set num_state_checkpoints")
     return PoolSizes(**{**sizes.__dict__, "num_checkpoints": int(n), "notes": (*sizes.notes, note)})
 
 

@@ -148,7 +148,8 @@ class PrefixCache:
                 self._seen[key] = None
         while len(self._seen) > SEEN_BOUNDARIES:
             self._seen.popitem(last=False)
-        return [c for c in sorted({branch, last}) if c > start and not self.checkpoints.contains(self.key_at(hashes, c))]
+        kept = self.checkpoints.contains
+        return [c for c in sorted({branch, last}) if c > start and not kept(self.key_at(hashes, c))]
 
     def reserve_checkpoint(self, hashes: list[bytes], position: int) -> int | None:
         """The row the step being planned copies a slot into, for the prefix [0, position);

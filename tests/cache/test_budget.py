@@ -140,3 +140,29 @@ def test_no_usable_slot():
     # one forced slot is the scratch slot: nothing left for a request
     with pytest.raises(ValueError, match="^not even one request's state fits in the cache budget$"):
         sizes(1_000_000, block_bytes=0, num_state_slots=1)
+
+
+def test_checkpoints_come_after_slots_and_blocks():
+    # plenty: slots 257 and blocks 1,024 (capped) as without caching; the rest, 640 rows, capped at 256
+    off = sizes(1_000_000, max_model_len=64)
+    on = sizes(1_000_000, max_model_len=64, enable_prefix_caching=True)
+    assert pools(on) == pools(off) == (257, 1024, 256, 2048, 64) and off.num_checkpoints == 0
+    assert on.num_checkpoints == 256
+    # KV-bound: the blocks (2,350 without caching) give up a tenth of the budget: (270,000 - 65,000) // 100
+    # = 2,050 blocks; the checkpoints take the 30,000 bytes left
+    kw = {"max_model_len": 640, "max_num_seqs": 64}
+    assert pools(sizes(300_000, **kw))[:2] == (65, 2350)
+    on = sizes(300_000, enable_prefix_caching=True, **kw)
+    assert pools(on)[:3] == (65, 2050, 64) and on.num_checkpoints == 30
+    # a forced number takes its bytes from the blocks: (293,000 - 65,000) // 100
+    forced = sizes(300_000, enable_prefix_caching=True, num_state_checkpoints=7, **kw)
+    assert pools(forced)[:2] == (65, 2280) and forced.num_checkpoints == 7
+    with pytest.raises(ValueError, match="KV cache holds"):
+        sizes(300_000, enable_prefix_caching=True, num_state_checkpoints=290, **kw)
+    # slots bound by the budget: nothing is left, the checkpoints yield (and a warning says so)
+    tight = sizes(100_000, max_model_len=64, enable_prefix_caching=True)
+    assert pools(tight)[:2] == (99, 10) and tight.num_checkpoints == 0
+    assert tight.notes[-1][0] == WARNING and "no room for state checkpoints" in tight.notes[-1][1]
+    # no attention: slots as without caching, the checkpoints from what they leave
+    mamba = sizes(1_000_000, block_bytes=0, max_num_seqs=100, enable_prefix_caching=True)
+    assert (mamba.num_slots, mamba.num_blocks, mamba.num_checkpoints) == (101, 0, 256)

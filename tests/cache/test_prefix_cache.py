@@ -85,7 +85,7 @@ def test_random_block_traffic_never_hands_out_a_held_block():
     rng = random.Random(3)
     pool = BlockPool(16, block_size=1, enable_caching=True)
     held: dict[int, int] = {}
-    for step in range(2000):
+    for _ in range(2000):
         if held and rng.random() < 0.45:
             b = rng.choice(list(held))
             pool.free([b])

@@ -12,6 +12,9 @@ from tests.models.tiny import checkpoint, hf_model
 
 # Falcon-H1: state + KV in every layer; Jamba: Mamba-1 with dt/B/C norms, NoPE attention, softmax top-k MoE
 FAMILIES = ["granite-moe", "bamba", "mamba2-untied", "falcon-h1", "falcon-h1-norm", "jamba"]
+# one checkpoint of every family the engine serves: Granite 4.0-H (MoE), Bamba, Mamba2, Falcon-H1,
+# Jamba, Zamba2, Nemotron-H, Mamba-1 (the prefix-caching suites run each)
+EVERY_FAMILY = ["granite-moe", "bamba", "mamba2-untied", "falcon-h1", "jamba", "zamba2", "nemotron-h-moe", "mamba1"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 # each engine's share of the GPU in the GPU tests: several engines live in one test process
 SHARE = 0.05

@@ -13,12 +13,12 @@ import torch
 
 from mambaserve import LLM, SamplingParams
 from tests.conftest import assert_greedy_close
-from tests.engine.test_gpu import SHARE, TIE_AWARE, gen_with_logprobs
-from tests.engine.test_prefix_caching import FAMILIES
+from tests.engine.engines import EVERY_FAMILY, SHARE, gen_with_logprobs
 from tests.models.tiny import checkpoint, hf_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+TIE_AWARE = {"jamba"}  # its bf16 logprobs move up to ~0.4 nats at a router near tie (test_gpu.py)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
 
 
@@ -46,7 +46,7 @@ def batches(name, off):
 
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", EVERY_FAMILY)
 def test_gpu_prefix_caching_equals_caching_off_with_graphs(name, dtype, mode):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from mambaserve import LLM, SamplingParams
+from tests.engine.engines import EVERY_FAMILY as FAMILIES
 from tests.models.tiny import checkpoint, hf_model
 
-# every family: Granite 4.0-H (MoE), Bamba, Mamba2, Falcon-H1, Jamba, Zamba2, Nemotron-H, Mamba-1
-FAMILIES = ["granite-moe", "bamba", "mamba2-untied", "falcon-h1", "jamba", "zamba2", "nemotron-h-moe", "mamba1"]
 ATTENTION = {"granite-moe", "bamba", "falcon-h1", "jamba", "zamba2", "nemotron-h-moe"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 M = 8  # mamba_block_size of these tests; KV blocks of 4 tokens

@@ -10,9 +10,7 @@ from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mambaserve.engine.sequence import Sequence, SequenceStatus
 from mambaserve.sampling_params import SamplingParams
-
-VOCAB = 50
-STOP_TOKEN = 0
+from tests.engine.scheduling import STOP_TOKEN, VOCAB, engine_update, expected_outputs
 
 
 def make_seq(rid, prompt_len, max_tokens=4, first_token=1):
@@ -26,40 +24,6 @@ def make_scheduler(*, budget=64, max_num_seqs=8, num_slots=8, num_blocks=64, blo
     return Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                      slot_pool=StateSlotPool(num_slots), block_pool=block_pool,
                      enable_chunked_prefill=chunked)
-
-
-def next_token(tokens):
-    """The fake model: a deterministic function of the whole context, so that an output never
-    depends on scheduling (batching, chunking, preemption)."""
-    h = 0
-    for t in tokens:
-        h = (h * 1000003 + t + 1) % (2**31)
-    return h % VOCAB
-
-
-def expected_outputs(prompt, max_tokens, stop_token=None):
-    tokens, out = list(prompt), []
-    while len(out) < max_tokens:
-        t = next_token(tokens)
-        tokens.append(t)
-        out.append(t)
-        if t == stop_token:
-            break
-    return out
-
-
-def engine_update(sched: Scheduler, out: SchedulerOutput, stop_token=None):
-    """What the engine does after the forward: advance, sample, finish."""
-    for item in out.scheduled:
-        seq = item.seq
-        seq.num_computed_tokens += item.num_new_tokens
-        if seq.num_computed_tokens == seq.num_tokens:
-            t = next_token(seq.all_token_ids)
-            seq.append_token(t)
-            if t == stop_token:
-                sched.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            elif seq.num_output_tokens >= seq.sampling_params.max_tokens:
-                sched.finish(seq, SequenceStatus.FINISHED_LENGTH)
 
 
 def check_invariants(sched: Scheduler, out: SchedulerOutput):

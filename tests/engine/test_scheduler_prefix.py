@@ -14,7 +14,7 @@ from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.engine.scheduler import Scheduler
 from mambaserve.engine.sequence import Sequence
 from mambaserve.sampling_params import SamplingParams
-from tests.engine.test_scheduler import STOP_TOKEN, engine_update, expected_outputs
+from tests.engine.scheduling import STOP_TOKEN, engine_update, expected_outputs
 
 
 def make(*, budget=64, num_slots=8, num_blocks=64, block_size=4, m=8, rows=8, chunked=True, max_num_seqs=8):
@@ -140,7 +140,8 @@ def test_randomized_prefix_caching_simulation(config, seed):
                 if prompts and rng.random() < 0.3:
                     prompt = list(rng.choice(prompts))  # an exact repeat
                 else:
-                    prompt = rng.choice(prefixes)[: rng.randint(0, 40)] + [rng.randint(1, 49) for _ in range(rng.randint(1, 9))]
+                    tail = [rng.randint(1, 49) for _ in range(rng.randint(1, 9))]
+                    prompt = rng.choice(prefixes)[: rng.randint(0, 40)] + tail
                 capacity = num_blocks * bs if num_blocks else 10**9  # each sequence fits the pool alone
                 prompt = prompt[: min(40, budget) if not chunked else min(48, capacity - 1)]
                 prompts.append(prompt)
