@@ -33,7 +33,7 @@ def test_limits_pool_sizes_and_memory(name):
     assert mem.state_cache_bytes == _bytes(t for pair in caches.mamba for t in pair) > 0
     assert mem.kv_cache_bytes == (_bytes(t for pair in caches.kv for t in pair) if name == "granite-moe" else 0)
     assert mem.weights_bytes == _bytes(unique)
-    assert all(c.shape[0] == sizes.num_slots for c, _ in caches.mamba)
+    assert all(c.shape[0] == sizes.num_slots + sizes.num_checkpoints for c, _ in caches.mamba)  # checkpoints follow
     usage = e.usage()
     assert usage.num_slots_total == sizes.num_slots - 1  # the scratch slot is never handed out
     assert usage.num_blocks_total == sizes.num_blocks
