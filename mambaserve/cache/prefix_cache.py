@@ -133,23 +133,26 @@ class PrefixCache:
     def plan_checkpoints(self, hashes: list[bytes], start: int, prompt_len: int) -> list[int]:
         """Positions after `start` where the prompt's prefill should end a chunk to take a
         checkpoint (increasing): its branch point and its last boundary (module docstring),
-        those not kept already. Also remembers the prompt's boundaries for later branch points."""
+        those not kept already. Changes nothing (`remember_boundaries` records the prompt)."""
         if not self.has_state or self.checkpoints.num_checkpoints == 0:
             return []
         m = self.mamba_block_size
         last = (prompt_len - 1) // m * m
-        branch = 0
-        for c in range(m, last + 1, m):
-            key = self.key_at(hashes, c)
-            if key in self._seen:
-                branch = c
-                self._seen.move_to_end(key)
-            else:
-                self._seen[key] = None
-        while len(self._seen) > SEEN_BOUNDARIES:
-            self._seen.popitem(last=False)
+        branch = max((c for c in range(m, last + 1, m) if self.key_at(hashes, c) in self._seen), default=0)
         kept = self.checkpoints.contains
         return [c for c in sorted({branch, last}) if c > start and not kept(self.key_at(hashes, c))]
+
+    def remember_boundaries(self, hashes: list[bytes], prompt_len: int) -> None:
+        """Record an admitted prompt's boundary keys for later prompts' branch points."""
+        if not self.has_state:
+            return
+        m = self.mamba_block_size
+        for c in range(m, (prompt_len - 1) // m * m + 1, m):
+            key = self.key_at(hashes, c)
+            self._seen[key] = None
+            self._seen.move_to_end(key)
+        while len(self._seen) > SEEN_BOUNDARIES:
+            self._seen.popitem(last=False)
 
     def reserve_checkpoint(self, hashes: list[bytes], position: int) -> int | None:
         """The row the step being planned copies a slot into, for the prefix [0, position);

@@ -229,9 +229,9 @@ class Scheduler:
                 num_new = budget
             else:
                 break
-            if not self._admit(seq, num_new, match):
+            num_new = self._admit(seq, num_new, match)
+            if not num_new:
                 break
-            num_new = self._to_checkpoint(seq, num_new)
             scheduled.append(ScheduledSequence(seq, num_new, load_checkpoint=match.checkpoint_row,
                                                save_checkpoint=self._save_row(seq, num_new)))
             scheduled_ids.add(id(seq))
@@ -260,18 +260,25 @@ class Scheduler:
         seq.block_table.extend(self.block_pool.allocate(missing))
         return True
 
-    def _admit(self, seq: Sequence, num_new: int, match: PrefixMatch) -> bool:
+    def _admit(self, seq: Sequence, num_new: int, match: PrefixMatch) -> int:
         """Move the head of the waiting queue to running with a slot, its matched prefix (the
-        cached blocks, shared) and its first chunk's blocks; False (nothing taken) if the slot
-        or the blocks are short. Counts the prefix-cache query and plans its checkpoints."""
+        cached blocks, shared) and its first chunk's blocks: num_new tokens, or fewer to end at
+        its first checkpoint position. Returns the chunk's tokens; 0 (nothing taken) if the
+        slot or the blocks are short. Counts the prefix-cache query."""
         assert seq.num_computed_tokens == 0 and seq.state_slot is None and not seq.block_table
         if self.slot_pool.num_free == 0:
-            return False
+            return 0
+        cache = self.prefix_cache
+        if cache is not None:
+            seq.checkpoint_positions = cache.plan_checkpoints(seq.block_hashes, match.num_tokens, seq.num_prompt_tokens)
+            if seq.checkpoint_positions:
+                num_new = min(num_new, seq.checkpoint_positions[0] - match.num_tokens)
         cached = match.blocks or []
         if self.block_pool is not None and not self.block_pool.can_allocate(
             self.block_pool.blocks_needed(match.num_tokens + num_new) - len(cached), reusing=cached
         ):
-            return False
+            seq.checkpoint_positions = []
+            return 0
         if cached:
             self.block_pool.touch(cached)
             seq.block_table = list(cached)
@@ -283,8 +290,8 @@ class Scheduler:
         self.waiting.popleft()
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
-        cache = self.prefix_cache
         if cache is not None:
+            cache.remember_boundaries(seq.block_hashes, seq.num_prompt_tokens)
             if seq.num_preemptions == 0:  # vLLM: a re-admission counts apart; num_cached_tokens stays
                 cache.stats.queries += seq.num_prompt_tokens
                 cache.stats.hits += match.num_tokens
@@ -292,9 +299,7 @@ class Scheduler:
             else:
                 cache.stats.preempted_queries += seq.num_tokens
                 cache.stats.preempted_hits += match.num_tokens
-            seq.checkpoint_positions = cache.plan_checkpoints(seq.block_hashes, match.num_tokens,
-                                                              seq.num_prompt_tokens)
-        return True
+        return num_new
 
     # -- prefix caching ----------------------------------------------------------------------
 

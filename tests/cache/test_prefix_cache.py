@@ -139,6 +139,8 @@ def prefill(cache, tokens, hashes=None):
     hashes = [] if hashes is None else hashes
     cache.extend_hashes(hashes, lambda a, b: tokens[a:b], len(tokens))
     plan = cache.plan_checkpoints(hashes, 0, len(tokens))
+    assert cache.plan_checkpoints(hashes, 0, len(tokens)) == plan  # planning changes nothing
+    cache.remember_boundaries(hashes, len(tokens))
     for c in plan:
         assert cache.reserve_checkpoint(hashes, c) is not None
     if cache.block_pool is not None:

@@ -44,8 +44,8 @@ def batches(name, off):
     yield [y, system + toks(2), x[:17] + toks(1), system + toks(7)]  # a mixed batch
 
 
-@pytest.mark.parametrize("mode", ["full_and_piecewise", "piecewise"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype, mode", [("float32", "full_and_piecewise"), ("bfloat16", "full_and_piecewise"),
+                                         ("bfloat16", "piecewise")])
 @pytest.mark.parametrize("name", EVERY_FAMILY)
 def test_gpu_prefix_caching_equals_caching_off_with_graphs(name, dtype, mode):
     torch.backends.cuda.matmul.allow_tf32 = False

@@ -206,3 +206,16 @@ def test_mamba_block_size_must_be_a_multiple_of_the_block_size_with_attention():
     with pytest.raises(ValueError, match="multiple of block_size"):
         make("granite-moe", mamba_block_size=6)
     make("mamba2-untied", mamba_block_size=6)  # no attention: any granularity
+
+
+def test_default_granularity_long_repeat_and_a_300_token_system_prompt():
+    """At the defaults (checkpoints every 256 tokens, KV blocks of 16): the first repeat of a
+    2,000-token prompt resumes at 1,792 (floor(1,999 / 256) * 256), and a 300-token system prompt
+    with a short user turn is resumed at 256 by the next request already."""
+    name = "granite-moe"
+    llm = LLM(checkpoint(name), dtype="float32", device="cpu", skip_tokenizer_init=True)
+    toks = tokens_of(name, 6)
+    long, system = toks(2000), toks(300)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert check(llm, name, [long], params) == [[0]] and check(llm, name, [long], params) == [[1792]]
+    assert [check(llm, name, [system + toks(n)], params)[0][0] for n in (20, 45)] == [0, 256]

@@ -163,6 +163,9 @@ def test_randomized_prefix_caching_simulation(config, seed):
                 holders[b] = holders.get(b, 0) + 1
         if sched.block_pool is not None:
             assert sched.block_pool.num_used == len(holders)
+            new = {id(i.seq): i.num_new_tokens for i in out.scheduled}
+            for s in sched.running:  # the tables cover what is computed and scheduled, no more
+                assert len(s.block_table) == sched.block_pool.blocks_needed(s.num_computed_tokens + new.get(id(s), 0))
         # before the forward: loads, and every state and KV entry read must already be there
         for item in out.scheduled:
             s, c = item.seq, item.seq.num_computed_tokens
