@@ -32,6 +32,7 @@ def _run(llm, batches):
     return outs
 
 
+@pytest.mark.slow  # starts rank processes, as the other multi-rank equality tests
 @pytest.mark.parametrize("name", ["granite-tp", "mamba2", "jamba"])
 def test_prefix_caching_over_two_ranks_equals_one_rank_without_it(name):
     batches = _batches(name)
