@@ -27,11 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mambaserve.cache.block_pool import BlockPool
 from mambaserve.cache.budget import PoolSizes
-from mambaserve.cache.checkpoint_pool import StateCheckpointPool
-from mambaserve.cache.prefix_cache import PrefixCache
-from mambaserve.cache.state_pool import StateSlotPool
+from mambaserve.cache.pools import make_cache_pools
 from mambaserve.config import EngineConfig
 from mambaserve.distributed import SINGLE
 from mambaserve.engine.chaining import plan_chained_decode
@@ -86,17 +83,16 @@ class LLMEngine:
         # grammar matchers of constrained sequences: masks applied here, tokens fed by the output processor
         self.structured_outputs = StructuredOutputs(tok, runner.vocab_size, eos + extra_eos)
         self.output_processor = OutputProcessor(tok, eos, extra_eos, runner.max_model_len, self.structured_outputs)
-        self.slot_pool = StateSlotPool(runner.num_slots - 1)  # the last slot is the scratch slot
-        self.block_pool = (BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching)
-                           if runner.has_attention else None)
-        prefix_cache = PrefixCache(  # checkpoint rows follow the slots in the state tensors
-            block_pool=self.block_pool, checkpoints=StateCheckpointPool(runner.num_checkpoints, runner.num_slots),
-            mamba_block_size=config.cache_config.resolved_mamba_block_size, has_state=bool(runner.spec.mamba),
-        ) if config.enable_prefix_caching else None
+        pools = make_cache_pools(  # checkpoint rows follow the slots in the state tensors
+            num_slots=runner.num_slots, num_blocks=runner.num_blocks if runner.has_attention else None,
+            block_size=config.block_size, num_checkpoints=runner.num_checkpoints,
+            enable_prefix_caching=config.enable_prefix_caching,
+            mamba_block_size=config.cache_config.resolved_mamba_block_size, has_state=bool(runner.spec.mamba))
+        self.slot_pool, self.block_pool = pools.slots, pools.blocks
         self.scheduler = Scheduler(
             max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
             slot_pool=self.slot_pool, block_pool=self.block_pool, enable_chunked_prefill=config.enable_chunked_prefill,
-            prefix_cache=prefix_cache)
+            prefix_cache=pools.prefix_cache)
         self.sampler = Sampler(eos + extra_eos or None)
         self.stats = EngineStats()
         self._counter = itertools.count()
@@ -265,9 +261,7 @@ class LLMEngine:
     def grammar_compiler(self) -> GrammarCompiler:  # thread-safe; its cache of compiled constraints is the engine's
         return self.structured_outputs.compiler
 
-    @property
-    def vocab_size(self) -> int:
-        return self.runner.vocab_size
+    vocab_size = property(lambda self: self.runner.vocab_size, doc="The logits' width (int).")
 
     @property
     def max_model_len(self) -> int:
@@ -285,18 +279,14 @@ class LLMEngine:
         """Bytes of the weights, the state slots and the KV blocks."""
         return self.runner.memory
 
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
+    device = property(lambda self: self.runner.device, doc="The model's torch.device.")
 
     @property
     def dtype(self) -> torch.dtype:
         """The model's (and the conv state's and KV cache's) dtype."""
         return self.runner.dtype
 
-    @property
-    def mamba_ssm_cache_dtype(self) -> torch.dtype:
-        return self.runner.ssm_dtype
+    mamba_ssm_cache_dtype = property(lambda self: self.runner.ssm_dtype, doc="The SSM states' torch.dtype.")
 
     def usage(self) -> EngineUsage:
         """A snapshot of queue lengths, pool use and counters (cheap: call it every step)."""
