@@ -11,6 +11,9 @@ the first gives the time to first token (TTFT), the gaps between later ones the 
 latencies (ITL). A request's output token count is the server's `usage.completion_tokens`
 (asked for with stream_options.include_usage), else the tokenized text's length when a
 tokenizer is given, else the number of chunks; TPOT = (latency - TTFT) / (tokens - 1).
+Prompt tokens the server served from its prefix cache are read from the final usage's
+`prompt_tokens_details.cached_tokens` where the server sends it. `--dataset multi_turn` sends
+conversations turn by turn (`multi_turn.run_conversations`) and adds TTFT per turn index.
 It knows nothing about our engine: it only speaks HTTP.
 """
 
@@ -24,8 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 from mambaserve.benchmarks.common import args_record, environment_info, write_json
-from mambaserve.benchmarks.datasets import BenchRequest, build_requests
-from mambaserve.benchmarks.throughput import add_dataset_args, resolve_dataset
+from mambaserve.benchmarks.datasets import MULTI_TURN, BenchRequest, build_requests
+from mambaserve.benchmarks.throughput import add_dataset_args, dataset_options, resolve_dataset
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +83,9 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 
 @dataclass
 class RequestResult:
-    """What one streamed request measured. ttft, latency and itl in seconds."""
+    """What one streamed request measured. ttft, latency and itl in seconds. turn: its index in
+    its conversation (multi_turn), else None; usage_cached_tokens: the server's
+    usage.prompt_tokens_details.cached_tokens, None when it sent none."""
 
     prompt_len: int
     success: bool = False
@@ -90,6 +95,8 @@ class RequestResult:
     num_chunks: int = 0
     text: str = ""
     usage_completion_tokens: int | None = None
+    usage_cached_tokens: int | None = None
+    turn: int | None = None
     error: str = ""
 
 
@@ -118,6 +125,9 @@ async def stream_completion(session, url: str, payload: dict, prompt_len: int) -
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     res.usage_completion_tokens = int(usage["completion_tokens"])
+                details = (usage or {}).get("prompt_tokens_details") or {}
+                if details.get("cached_tokens") is not None:
+                    res.usage_cached_tokens = int(details["cached_tokens"])
                 choices = chunk.get("choices")
                 if choices:
                     now = time.perf_counter()
@@ -238,10 +248,31 @@ def serve_record(results: list[RequestResult], duration: float, tokenizer=None, 
             rec[f"{stat}_{name}_ms"] = float(fn(a)) if a.size else 0.0
         for q in sorted(set(percentiles) | {99}):
             rec[f"p{q:g}_{name}_ms"] = float(np.percentile(a, q)) if a.size else 0.0
+    cached = [r.usage_cached_tokens for r in ok if r.usage_cached_tokens is not None]
+    if cached:
+        rec["total_cached_tokens"] = sum(cached)
+    turns = sorted({r.turn for r in ok if r.turn is not None})
+    if turns:
+        rec["per_turn"] = [_turn_record(t, [r for r in ok if r.turn == t]) for t in turns]
     rec["errors"] = [r.error for r in results if not r.success][:20]
     if detailed:
         rec.update({"input_lens": [r.prompt_len for r in ok], "output_lens": out_lens, "ttfts": series["ttft"],
                     "e2els": series["e2el"], "itls": [r.itl for r in ok]})
+    return rec
+
+
+def _turn_record(turn: int, results: list[RequestResult]) -> dict:
+    """TTFT statistics (ms) of the requests of one turn index, their mean prompt length and
+    cached tokens (where the server reported them)."""
+    import numpy as np
+
+    a = np.asarray([r.ttft for r in results], dtype=np.float64) * 1e3
+    rec = {"turn": turn, "completed": len(results), "mean_prompt_len": float(np.mean([r.prompt_len for r in results])),
+           "mean_ttft_ms": float(a.mean()), "median_ttft_ms": float(np.median(a)),
+           "p99_ttft_ms": float(np.percentile(a, 99))}
+    cached = [r.usage_cached_tokens for r in results if r.usage_cached_tokens is not None]
+    if cached:
+        rec["cached_tokens"] = sum(cached)
     return rec
 
 
@@ -263,6 +294,20 @@ def print_serve(rec: dict, metrics: tuple[str, ...] = ("ttft", "tpot", "itl"), p
         for stat in ("mean", "median", *(f"p{q:g}" for q in percentiles)):
             label = f"{stat.capitalize() if stat[0] != 'p' else stat.upper()} {name.upper()} (ms):"
             print(f"{label:<{w}}{rec[f'{stat}_{name}_ms']:>12.2f}")
+    if "total_cached_tokens" in rec:
+        print(f"{'Prompt tokens from the prefix cache:':<{w}}{rec['total_cached_tokens']:>12d}")
+    if rec.get("per_turn"):
+        print("{s:{c}^{n}}".format(s="TTFT per turn (ms): mean / median / p99", n=w + 12, c="-"))
+        for t in rec["per_turn"]:
+            label = f"Turn {t['turn']} ({t['mean_prompt_len']:.0f} prompt tokens):"
+            print(f"{label:<{w - 12}}{t['mean_ttft_ms']:>8.1f} {t['median_ttft_ms']:>8.1f} {t['p99_ttft_ms']:>8.1f}")
+    if "total_cached_tokens" in rec:
+        print(f"{'Prompt tokens from the prefix cache:':<{w}}{rec['total_cached_tokens']:>12d}")
+    if rec.get("per_turn"):
+        print("{s:{c}^{n}}".format(s="TTFT per turn (ms): mean / median / p99", n=w + 12, c="-"))
+        for t in rec["per_turn"]:
+            label = f"Turn {t['turn']} ({t['mean_prompt_len']:.0f} prompt tokens):"
+            print(f"{label:<{w - 12}}{t['mean_ttft_ms']:>8.1f} {t['median_ttft_ms']:>8.1f} {t['p99_ttft_ms']:>8.1f}")
     print("=" * (w + 12))
 
 
@@ -364,17 +409,27 @@ def main(args: argparse.Namespace) -> int:
     # a checkpoint or config on this machine (--model, or the server's root) gives vocabulary and tokenizer
     local_model = next((m for m in (args.model, root) if m and os.path.exists(m)), None)
     tokenizer = _tokenizer_for(args, local_model)
-    requests = build_requests(args.dataset, args.num_prompts, vocab_size=_vocab_size(args, tokenizer, local_model),
-                              tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
-                              range_ratio=args.random_range_ratio, seed=args.seed)
-    if BACKENDS[args.backend][1] == "chat":  # a chat message is text: token-id prompts are decoded first
-        if tokenizer is None and any(isinstance(r.prompt, list) for r in requests):
-            raise ValueError(f"--backend {args.backend} sends text: pass --tokenizer (or a --model with one) to turn "
-                             "the dataset's random token ids into text")
-        for r in requests:
-            if isinstance(r.prompt, list):
-                r.prompt = tokenizer.decode(r.prompt)
-    results, duration = asyncio.run(run_load(requests, base_url + args.endpoint, model, args))
+    vocab_size = _vocab_size(args, tokenizer, local_model)
+    if args.dataset == MULTI_TURN:
+        if BACKENDS[args.backend][1] == "chat":
+            raise ValueError("--dataset multi_turn sends token-id histories: use a completions backend")
+        from mambaserve.benchmarks.multi_turn import conversations_from_args, run_conversations
+
+        requests = conversations_from_args(args, vocab_size)
+        results, duration = asyncio.run(run_conversations(requests, base_url + args.endpoint, model, args,
+                                                          tokenizer, vocab_size))
+    else:
+        requests = build_requests(args.dataset, args.num_prompts, vocab_size=vocab_size, tokenizer=tokenizer,
+                                  input_len=args.input_len, output_len=args.output_len,
+                                  range_ratio=args.random_range_ratio, seed=args.seed, **dataset_options(args))
+        if BACKENDS[args.backend][1] == "chat":  # a chat message is text: token-id prompts are decoded first
+            if tokenizer is None and any(isinstance(r.prompt, list) for r in requests):
+                raise ValueError(f"--backend {args.backend} sends text: pass --tokenizer (or a --model with one) to "
+                                 "turn the dataset's random token ids into text")
+            for r in requests:
+                if isinstance(r.prompt, list):
+                    r.prompt = tokenizer.decode(r.prompt)
+        results, duration = asyncio.run(run_load(requests, base_url + args.endpoint, model, args))
     rec = serve_record(results, duration, tokenizer, detailed=args.save_detailed, percentiles=qs)
     print_serve(rec, metrics, qs)
     path = _result_path(args, model)

@@ -24,10 +24,18 @@ from mambaserve.benchmarks.common import (
     resolve_skip_tokenizer,
     write_json,
 )
-from mambaserve.benchmarks.datasets import RANDOM, SHAREGPT, SYNTHETIC, BenchRequest, build_requests
+from mambaserve.benchmarks.datasets import (
+    MULTI_TURN,
+    PREFIX_REPETITION,
+    RANDOM,
+    SHAREGPT,
+    SYNTHETIC,
+    BenchRequest,
+    build_requests,
+)
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
 
-DATASET_NAMES = (SYNTHETIC, RANDOM, SHAREGPT)
+DATASET_NAMES = (SYNTHETIC, RANDOM, SHAREGPT, PREFIX_REPETITION, MULTI_TURN)
 
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +44,10 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-name", default=None, choices=DATASET_NAMES,
                         help=f"'{SYNTHETIC}' (built-in ShareGPT-shaped lengths, random token ids; the default), "
                              f"'{RANDOM}' (random token ids of --random-input-len/--random-output-len), "
-                             f"'{SHAREGPT}' (the ShareGPT JSON file of --dataset-path)")
+                             f"'{SHAREGPT}' (the ShareGPT JSON file of --dataset-path), '{PREFIX_REPETITION}' (random "
+                             f"prompts "
+                             f"sharing a few prefixes), '{MULTI_TURN}' (bench serve only: conversations sent turn by "
+                             f"turn, each re-sending the history)")
     parser.add_argument("--dataset-path", default=None, help="the ShareGPT-format JSON file of --dataset-name sharegpt")
     parser.add_argument("--dataset", default=None,
                         help="the older spelling: a --dataset-name, or a ShareGPT-format JSON file")
@@ -48,6 +59,24 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                         help="output length (default 128 for --dataset-name random; overrides the dataset's otherwise)")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="--dataset random: lengths uniform in [len*(1-r), len*(1+r)]")
+    g = parser.add_argument_group("prefix_repetition dataset (vLLM's flags)")
+    g.add_argument("--prefix-repetition-prefix-len", type=int, default=256, help="tokens of each shared prefix")
+    g.add_argument("--prefix-repetition-suffix-len", type=int, default=256, help="tokens after it, per request")
+    g.add_argument("--prefix-repetition-num-prefixes", type=int, default=10, help="distinct prefixes")
+    g.add_argument("--prefix-repetition-output-len", type=int, default=128, help="tokens to generate")
+    g = parser.add_argument_group("multi_turn dataset (--num-prompts conversations)")
+    g.add_argument("--multi-turn-num-turns", type=int, default=4, help="turns of each conversation")
+    g.add_argument("--multi-turn-prefix-len", type=int, default=1024,
+                   help="tokens of history before the first user message (system prompt, earlier turns)")
+    g.add_argument("--multi-turn-user-len", type=int, default=128, help="tokens of each new user message")
+    g.add_argument("--multi-turn-output-len", type=int, default=128, help="tokens of each answer")
+
+
+def dataset_options(args: argparse.Namespace) -> dict:
+    """The prefix_repetition keyword arguments of `build_requests` that its flags give."""
+    return {"prefix_len": args.prefix_repetition_prefix_len, "suffix_len": args.prefix_repetition_suffix_len,
+            "num_prefixes": args.prefix_repetition_num_prefixes,
+            "prefix_output_len": args.prefix_repetition_output_len}
 
 
 def resolve_dataset(args: argparse.Namespace) -> str:
@@ -165,7 +194,8 @@ def main(args: argparse.Namespace, llm=None) -> int:
     tokenizer = llm.get_tokenizer()
     requests = build_requests(args.dataset, args.num_prompts, vocab_size=llm.llm_engine.vocab_size,
                               tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
-                              range_ratio=args.random_range_ratio, seed=args.seed)
+                              range_ratio=args.random_range_ratio, seed=args.seed,
+                              **dataset_options(args))
     rec = measure_throughput(llm, requests, use_tqdm=not args.disable_tqdm, num_warmup_prompts=args.num_warmup_prompts,
                              n=args.n)
     print_throughput(rec)
