@@ -43,6 +43,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every prompt prefix cached so far (KV blocks and state checkpoints), as vLLM's
+        `LLM.reset_prefix_cache`: later requests compute their prompts anew (a benchmark's cold
+        start). Returns False, and forgets nothing, while requests run (never between `generate`
+        calls); True with prefix caching off (nothing to forget)."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the defaults of the checkpoint's generation_config.json (temperature,
         top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens), as vLLM's; plain

@@ -25,7 +25,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's state after a step: prompt, its completions so far, and whether it is done."""
+    """A request's state after a step: prompt, its completions so far, and whether it is done.
+
+    num_cached_tokens (vLLM's field): prompt tokens served from the prefix cache when the
+    request was admitted, i.e. not computed for it (0 without a hit, or with prefix caching
+    off). With n > 1 it is the count of the first completion's sequence (each of the n
+    sequences is looked up at its own admission; the prompt counts once, as in the OpenAI
+    usage's prompt_tokens). Set at the first admission and kept after a preemption.
+    """
 
     request_id: str
     prompt: str | None
@@ -34,3 +41,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0

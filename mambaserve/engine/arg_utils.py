@@ -65,8 +65,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true", help="passed to the tokenizer's loading")
     g.add_argument("--kv-cache-dtype", default="auto", help="auto only: the model dtype")
     g.add_argument("--quantization", "-q", default=None, help="none supported yet")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="not implemented: only --no-enable-prefix-caching")
+    # prefix caching (vLLM's flag; the state-checkpoint flags are ours: a hybrid model needs them)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks and Mamba state checkpoints of prompt prefixes seen before (default on)")
+    g.add_argument("--mamba-block-size", type=int, default=None,
+                   help="tokens between state checkpoints: a prefix is reused up to a multiple of it (default 256, "
+                        "rounded up to a multiple of --block-size)")
+    g.add_argument("--num-state-checkpoints", type=int, default=None,
+                   help="rows of the state-checkpoint pool beside the running state slots (default: the cache "
+                        "budget's share for them; 0: no checkpoints)")
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

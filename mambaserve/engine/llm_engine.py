@@ -43,7 +43,6 @@ from mambaserve.engine.stats import EngineStats, EngineUsage, MemoryUsage
 from mambaserve.engine.structured_outputs import StructuredOutputs
 from mambaserve.outputs import RequestOutput
 from mambaserve.sampling_params import SamplingParams
-from mambaserve.structured_outputs import GrammarCompiler
 
 
 @dataclass
@@ -257,9 +256,8 @@ class LLMEngine:
         """Token ids that end a request silently (the model config's and the tokenizer's)."""
         return list(self.input_processor.eos_token_ids)
 
-    @property
-    def grammar_compiler(self) -> GrammarCompiler:  # thread-safe; its cache of compiled constraints is the engine's
-        return self.structured_outputs.compiler
+    grammar_compiler = property(lambda self: self.structured_outputs.compiler,  # its cache is the engine's
+                                doc="The engine's thread-safe GrammarCompiler (structured outputs).")
 
     vocab_size = property(lambda self: self.runner.vocab_size, doc="The logits' width (int).")
 
@@ -291,6 +289,10 @@ class LLMEngine:
     def usage(self) -> EngineUsage:
         """A snapshot of queue lengths, pool use and counters (cheap: call it every step)."""
         return self.stats.usage(self.scheduler, self.slot_pool, self.block_pool, self.structured_outputs)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block and state checkpoint (vLLM's); False, forgetting nothing, while any runs."""
+        return self.scheduler.reset_prefix_cache()
 
     def reset_step_breakdown(self) -> None:
         """Forget the per-kind step times (a benchmark times only its measured part)."""

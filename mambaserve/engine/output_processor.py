@@ -192,7 +192,7 @@ class OutputProcessor:
         finished = all(s.is_finished for s in req.seqs)
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time}
         out = RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.seqs[0].prompt_logprobs, outs,
-                            finished, metrics)
+                            finished, metrics, num_cached_tokens=req.seqs[0].num_cached_tokens)
         if finished:
             self.remove(req.request_id)
         return out

@@ -46,6 +46,8 @@ class EngineUsage:
     structured_output_mask_s: host seconds spent filling grammar masks, on whichever thread;
     structured_output_host_s: the engine thread's seconds on structured outputs (accepting
     tokens, waiting for or doing fills, launching the masks): their share of the critical path.
+    prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the prefix cache at
+    admission / served from it (`Scheduler.prefix_cache_stats`; both only grow, 0 with caching off).
     """
 
     num_running: int
@@ -61,6 +63,8 @@ class EngineUsage:
     step_breakdown: dict[str, StepKindStats]
     structured_output_mask_s: float = 0.0
     structured_output_host_s: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass
@@ -108,4 +112,14 @@ class EngineStats:
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             steps=self.steps, preemptions=self.preemptions, step_breakdown=self.breakdown_copy(),
             structured_output_mask_s=structured_outputs.mask_seconds,
-            structured_output_host_s=structured_outputs.host_seconds)
+            structured_output_host_s=structured_outputs.host_seconds,
+            prefix_cache_queries=scheduler.prefix_cache_stats.queries,
+            prefix_cache_hits=scheduler.prefix_cache_stats.hits)
+
+
+def format_prefix_cache_hit_rate(queries: int, hits: int) -> str:
+    """The prefix-cache part of a stats line, as vLLM words it: "Prefix cache hit rate: 42.1%".
+    queries, hits: prompt tokens looked up / served from the cache over the period the line
+    covers (differences of `EngineUsage.prefix_cache_queries` / `prefix_cache_hits`); a period
+    without queries reads 0.0%."""
+    return f"Prefix cache hit rate: {100.0 * hits / queries if queries else 0.0:.1f}%"

@@ -156,6 +156,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.model_path = engine.config.model
+        self.prefix_caching = engine.config.enable_prefix_caching  # usage reports cached_tokens then
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -200,6 +201,16 @@ class AsyncEngine:
             stream._closed = True
             raise ack
         return stream
+
+    async def reset_prefix_cache(self) -> bool:
+        """`LLMEngine.reset_prefix_cache` run on the loop thread: False while requests run. Raises
+        EngineError(503) when the loop is not running."""
+        done = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if not self.is_running:
+                raise EngineError("the server is shutting down", 503)
+            self._command(("reset_prefix_cache", done))
+        return await done
 
     def abort_all(self, reason: str = "the server is shutting down") -> None:
         """Stop accepting requests and end every request in flight with an EngineError(503)."""
@@ -269,6 +280,17 @@ class AsyncEngine:
                         self.metrics.aborted.inc()
         elif kind == "abort_all":
             self._fail_all(EngineError(cmd[1], 503))
+        elif kind == "reset_prefix_cache":
+            self._reply(cmd[1], self.engine.reset_prefix_cache())
+
+    def _reply(self, future: asyncio.Future, value) -> None:
+        def put():
+            if not future.done():  # its awaiter may have been cancelled
+                future.set_result(value)
+        try:
+            self._loop.call_soon_threadsafe(put)
+        except RuntimeError:  # the event loop is closed
+            pass
 
     def _add(self, stream: RequestStream, inputs: list[EngineInput], arrival: float) -> None:
         if not self._accepting:

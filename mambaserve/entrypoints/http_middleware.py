@@ -23,6 +23,7 @@ logger = logging.getLogger("mambaserve.server")
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_BODY_READ_TIMEOUT = 60.0
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+ADMIN_PATHS = ("/reset_prefix_cache",)  # behind --api-key like /v1, though outside it (vLLM's paths)
 
 
 def json_response(status: int, body: str, headers: dict | None = None) -> Response:
@@ -69,7 +70,7 @@ class RequestGuard:
         self.protect_tokenizer, self.body_timeout = protect_tokenizer, body_timeout
 
     def _needs_key(self, path: str) -> bool:
-        return path.startswith("/v1") or (self.protect_tokenizer and path in TOKENIZER_PATHS)
+        return path.startswith("/v1") or path in ADMIN_PATHS or (self.protect_tokenizer and path in TOKENIZER_PATHS)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

@@ -21,6 +21,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from mambaserve.engine.stats import EngineUsage
 
@@ -99,10 +100,13 @@ class ServerMetrics:
         self._last_stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
         self._window: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens so far)
         self.throughput.set_function(self._throughput)
+        self.prefix_cache = PrefixCacheCollector(model_name)
+        r.register(self.prefix_cache)
 
     def update_engine(self, usage: EngineUsage) -> None:
         """Copy the engine's counts (`LLMEngine.usage()`) into the gauges and counters. Call
         from the loop thread."""
+        self.prefix_cache.update(usage)
         self.running.set(usage.num_running)
         self.waiting.set(usage.num_waiting)
         self.slots_used.set(usage.num_slots_used)
@@ -154,3 +158,33 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------------------- prefix cache
+class PrefixCacheCollector:
+    """vLLM's prefix-cache counters, in prompt tokens: `vllm:prefix_cache_queries` (looked up at
+    admission) and `vllm:prefix_cache_hits` (served from the cache), exposed as the `_total`
+    samples of counters labelled with model_name, without `_created` series. They are read from
+    `EngineUsage` at scrape time instead of being incremented here, so they equal the engine's
+    `Scheduler.prefix_cache_stats` as of the loop thread's last `update_engine`."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.queries = 0
+        self.hits = 0
+
+    def update(self, usage: EngineUsage) -> None:
+        """Take the engine's counts (the loop thread; two int stores, read whole by a scrape)."""
+        self.queries, self.hits = usage.prefix_cache_queries, usage.prefix_cache_hits
+
+    def describe(self):
+        return list(self.collect())  # the registry checks these names against the others'
+
+    def collect(self):
+        for name, doc, value in (
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache at admission.",
+                 self.queries),
+                ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.", self.hits)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

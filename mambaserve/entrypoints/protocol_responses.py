@@ -23,10 +23,17 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's usage.prompt_tokens_details: cached_tokens = prompt tokens served from the prefix cache."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None  # with prefix caching on (null off)
 
 
 class CompletionLogProbs(BaseModel):

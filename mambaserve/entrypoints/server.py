@@ -43,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaserve import __version__
 from mambaserve.engine.arg_utils import engine_config_from_args
-from mambaserve.entrypoints.async_engine import AsyncEngine
+from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError
 from mambaserve.entrypoints.constraints import parse_config
 from mambaserve.entrypoints.http_middleware import (
     DEFAULT_BODY_READ_TIMEOUT,
@@ -156,6 +156,19 @@ def build_app(engine: AsyncEngine, served_model_name: str | list[str], api_key: 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         return json_response(200, (await serving.detokenize(body)).model_dump_json())
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: forget the cached prompt prefixes. 200 once done; 409 while requests run (the
+        cache is then left as it is: retry when idle); 503 when the engine loop is not running."""
+        try:
+            done = await engine.reset_prefix_cache()
+        except EngineError as e:
+            return error_response(ApiError(e.status, str(e)))
+        if not done:
+            return error_response(ApiError(409, "the prefix cache cannot be reset while requests are running",
+                                           code="requests_running"))
+        return json_response(200, "{}")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

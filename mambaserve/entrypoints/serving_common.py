@@ -18,6 +18,7 @@ from mambaserve.entrypoints.protocol_responses import (
     ErrorInfo,
     ErrorResponse,
     PromptLogprob,
+    PromptTokensDetails,
     TopLogprob,
     UsageInfo,
 )
@@ -161,7 +162,11 @@ class OutputFormatting:
     def _usage(self, job: Job, finals: dict[int, RequestOutput]) -> UsageInfo:
         prompt = sum(len(ids) for _, ids in job.prompts)
         completion = 0 if job.drop_output else sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        # cached tokens once per prompt (RequestOutput.num_cached_tokens), like prompt_tokens, also with n > 1
+        details = (PromptTokensDetails(cached_tokens=sum(o.num_cached_tokens for o in finals.values()))
+                   if self.engine.prefix_caching else None)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=details)
 
     def _prompt_text(self, job: Job, index: int) -> str:
         text, ids = job.prompts[index]

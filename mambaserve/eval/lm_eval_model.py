@@ -45,7 +45,7 @@ _MAX_TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completi
 
 # vLLM-backend model_args that mean nothing here: accepted with a warning so that a vLLM command
 # line runs unchanged (revision, tokenizer_mode, swap_space, trust_remote_code are engine options).
-_IGNORED_ARGS = ("tokenizer_revision", "enable_prefix_caching")
+_IGNORED_ARGS = ("tokenizer_revision",)
 
 
 @register_model("mambaserve")
