@@ -1,7 +1,8 @@
 """A tiny OpenAI-compatible completions server for testing `mambaserve bench serve` without a model.
 
 It streams `max_tokens` chunks of one word each (server-sent events, with a keep-alive comment
-first, a usage chunk when stream_options.include_usage asks for one, then "data: [DONE]"),
+first, a usage chunk when stream_options.include_usage asks for one, with a stand-in
+`prompt_tokens_details.cached_tokens`, then "data: [DONE]"),
 records every request body, and counts how many requests were in flight at once. It runs on
 a free loopback port in a thread of its own.
 """
@@ -48,6 +49,20 @@ class FakeOpenAIServer:
         port = site._server.sockets[0].getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}"
 
+    def _cached(self, prompt) -> int:
+        """A stand-in for a prefix cache: the longest prefix (in whole tokens, all but the last)
+        that this prompt shares with a prompt received before it."""
+        if not isinstance(prompt, list):
+            return 0
+        best = 0
+        for b in self.bodies[:-1]:
+            other = b["prompt"] if isinstance(b["prompt"], list) else []
+            n = 0
+            while n < min(len(other), len(prompt) - 1) and other[n] == prompt[n]:
+                n += 1
+            best = max(best, n)
+        return best
+
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
@@ -74,9 +89,10 @@ class FakeOpenAIServer:
                                               "choices": [choice], "usage": None}))
             if self.send_usage and (body.get("stream_options") or {}).get("include_usage"):
                 p_len = len(prompt) if isinstance(prompt, list) else len(prompt.split())
+                usage = {"prompt_tokens": p_len, "completion_tokens": n, "total_tokens": p_len + n,
+                         "prompt_tokens_details": {"cached_tokens": self._cached(prompt)}}
                 await resp.write(self._event({"id": "cmpl-0", "object": "text_completion", "model": body["model"],
-                                              "choices": [], "usage": {"prompt_tokens": p_len, "completion_tokens": n,
-                                                                       "total_tokens": p_len + n}}))
+                                              "choices": [], "usage": usage}))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
