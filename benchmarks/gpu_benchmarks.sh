@@ -15,6 +15,8 @@
 #                      schema, and none vs 25% without async scheduling on a second engine (3 alternating
 #                      repeats; xgrammar from the wheels in .whl/ when it is not installed; set
 #                      MAMBASERVE_COMMIT to the measured commit: the copy has no .git; ~7 min)
+#   prefix-caching     benchmarks/prefix_caching.py, granite-4.0-tiny-preview then bamba-9b: multi-turn (8k of
+#                      history by turn 1), shared-prefix and sharegpt-synthetic with caching on vs off (~6 min)
 # Afterwards, in the checkout: `python3 benchmarks/file_results.py OUT/*.json --commit HASH` files the
 # latency and throughput records (and bench-models.json) under benchmarks/results/<gpu>/; kernel and
 # profile records go by hand to <gpu>/kernels/ and <gpu>/profiles/ (benchmarks/results/README.md).
@@ -30,6 +32,13 @@ case "${1:-}" in
     timeout 570 python3 benchmarks/structured_outputs.py --model benchmarks/configs/granite-4.0-tiny-preview.json \
       --load-format dummy --dtype bfloat16 --num-prompts 256 --constrained-fraction 0.25 \
       --output-json "$OUT/structured-outputs-granite-4.0-tiny-preview.json" 2>&1 | tail -6
+    ;;
+  prefix-caching)
+    # one process per model, so that a timeout keeps the other's JSON (commit: $MAMBASERVE_COMMIT or git)
+    for m in granite-4.0-tiny-preview bamba-9b; do
+      timeout 280 python3 benchmarks/prefix_caching.py --models "$m" --output "$OUT/prefix-caching-$m.json" 2>&1 \
+        | grep -E "^\[|Error|Traceback" | cut -c1-160
+    done
     ;;
   models)
     timeout 570 python3 benchmarks/bench_models.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
@@ -88,6 +97,6 @@ case "${1:-}" in
     timeout 90 python3 benchmarks/profile_step.py --model granite-4.0-tiny-preview --modes graphed \
       --output-json "$OUT/profile-granite-4.0-tiny-preview-in1024-bs1.json" 2>&1 | grep -E "^\[|^ "
     ;;
-  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps|structured-outputs" >&2; exit 2 ;;
+  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps|structured-outputs|prefix-caching" >&2; exit 2 ;;
 esac
 echo "results in $OUT"
