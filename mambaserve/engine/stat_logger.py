@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from mambaserve.engine.stats import EngineUsage
+from mambaserve.engine.stats import EngineUsage, format_prefix_cache_hit_rate
 
 logger = logging.getLogger("mambaserve")
 
@@ -48,13 +48,15 @@ def log_startup_summary(engine) -> None:
 class StatLogger:
     """The periodic stats line: call `maybe_log(engine.usage)` after every step (cheap); every
     `interval` seconds it logs the prompt and generation throughput since the last line, the
-    running and waiting sequences, and the state-slot and KV-block use. Idle periods (no tokens,
+    running and waiting sequences, the state-slot and KV-block use and, once the prefix cache
+    has been looked up, its hit rate over the period (tokens served / tokens looked up). Idle periods (no tokens,
     nothing queued) after a line of zeros are not logged again."""
 
     def __init__(self, interval: float = STATS_INTERVAL_S):
         self.interval = interval
         self._last_time = time.monotonic()
         self._last_prompt = self._last_gen = 0
+        self._last_queries = self._last_hits = 0  # prefix-cache tokens looked up / served
         self._idle_logged = False
 
     def maybe_log(self, read_usage: Callable[[], EngineUsage], now: float | None = None) -> str | None:
@@ -68,6 +70,8 @@ class StatLogger:
         prompt, gen = usage.prompt_tokens - self._last_prompt, usage.generation_tokens - self._last_gen
         idle = prompt == 0 and gen == 0 and usage.num_running == 0 and usage.num_waiting == 0
         self._last_time, self._last_prompt, self._last_gen = now, usage.prompt_tokens, usage.generation_tokens
+        queries, hits = usage.prefix_cache_queries - self._last_queries, usage.prefix_cache_hits - self._last_hits
+        self._last_queries, self._last_hits = usage.prefix_cache_queries, usage.prefix_cache_hits
         if idle and self._idle_logged:
             return None
         self._idle_logged = idle
@@ -78,5 +82,7 @@ class StatLogger:
                 f"State slots: {usage.num_slots_used}/{usage.num_slots_total} "
                 f"({100 * usage.num_slots_used / max(usage.num_slots_total, 1):.1f}%){kv}, "
                 f"Preemptions: {usage.preemptions}")
+        if usage.prefix_cache_queries:  # caching on and used at least once
+            line += ", " + format_prefix_cache_hit_rate(queries, hits)
         logger.info(line)
         return line

@@ -9,6 +9,7 @@ engine's greedy text, the tokenizer's own ids, the model loaded from its folder.
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
@@ -378,3 +379,10 @@ def test_stat_logger_lines():
     line = log.maybe_log(lambda: usage(100, 50, 2), now=t0 + 10)
     assert "Avg prompt throughput: 10.0 tokens/s" in line and "generation throughput: 5.0" in line
     assert "Running: 2 reqs, Waiting: 1 reqs" in line and "State slots: 2/8 (25.0%)" in line and "4/16" in line
+    assert "Prefix cache" not in line  # never looked up
+    cached = dataclasses.replace(usage(300, 60, 2), prefix_cache_queries=400, prefix_cache_hits=100)
+    line = log.maybe_log(lambda: cached, now=t0 + 20)
+    assert line.endswith("Prefix cache hit rate: 25.0%")
+    cached = dataclasses.replace(cached, prefix_cache_queries=600, prefix_cache_hits=250)
+    line = log.maybe_log(lambda: cached, now=t0 + 30)
+    assert line.endswith("Prefix cache hit rate: 75.0%")  # over the period: 150 of 200
