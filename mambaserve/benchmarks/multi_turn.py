@@ -29,7 +29,8 @@ from mambaserve.benchmarks.datasets import (
     random_token_ids,
     stand_in_answer,
 )
-from mambaserve.benchmarks.serve import RequestResult, _payload, stream_completion
+from mambaserve.benchmarks.serve import _payload, stream_completion
+from mambaserve.benchmarks.serve_results import RequestResult
 
 
 def conversations_from_args(args: argparse.Namespace, vocab_size: int) -> list[Conversation]:
