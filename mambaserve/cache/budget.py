@@ -18,8 +18,8 @@ The rules, in order:
 - State slots then take what the blocks leave, up to the wanted number, and max_num_seqs is
   clamped to the usable slots.
 - With prefix caching, the state checkpoints (rows of a slot's size, `cache.checkpoint_pool`)
-  come last: slots are sized as without caching, the KV blocks then take what is left except a
-  tenth of the budget, and the checkpoints take what the blocks leave, at most
+  come last: slots and KV blocks are sized as above in the budget less a tenth (so slots shrink
+  only where memory, not max_num_seqs, bounds them), and the checkpoints take what they leave, at most
   max(max_num_seqs, MIN_CHECKPOINT_CAP) rows (a few running requests may still serve many cached
   prefixes; the cap keeps a model whose blocks leave much unused from taking all of it).
   num_state_checkpoints sets their number instead, its bytes taken from the blocks'. When the
@@ -92,10 +92,13 @@ def size_pools(
         return sizes
     budget, block_bytes = kw["budget_bytes"], kw["block_bytes"]
     reserve = budget // 10 if num_state_checkpoints is None else num_state_checkpoints * slot_bytes
-    if block_bytes > 0 and kw.get("num_kv_blocks") is None:
-        # the same slots and max_model_len, the blocks in the budget less the checkpoints' share
-        cut = dict(kw, budget_bytes=budget - reserve, num_state_slots=sizes.num_slots,
-                   max_model_len=sizes.max_model_len)
+    if kw.get("num_kv_blocks") is None and (block_bytes > 0 or num_state_checkpoints is None):
+        # the same max_model_len, the running pools in the budget less the checkpoints' share: the
+        # blocks shrink, and so do the slots where memory (not max_num_seqs) bounds them; otherwise
+        # a model whose slots fill the budget (large states) would keep no checkpoint at all
+        cut = dict(kw, budget_bytes=budget - reserve, max_model_len=sizes.max_model_len)
+        if num_state_checkpoints is not None:  # a forced number takes its bytes from the blocks only
+            cut["num_state_slots"] = sizes.num_slots
         try:
             cut_sizes = _size_running_pools(**cut)
         except ValueError:

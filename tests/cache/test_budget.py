@@ -159,10 +159,15 @@ def test_checkpoints_come_after_slots_and_blocks():
     assert pools(forced)[:2] == (65, 2280) and forced.num_checkpoints == 7
     with pytest.raises(ValueError, match="KV cache holds"):
         sizes(300_000, enable_prefix_caching=True, num_state_checkpoints=290, **kw)
-    # slots bound by the budget: nothing is left, the checkpoints yield (and a warning says so)
+    # slots bound by the budget (99 without caching): they give up the tenth too, 10 slots' bytes,
+    # so that a model with large states still keeps checkpoints
+    assert pools(sizes(100_000, max_model_len=64))[:2] == (99, 10)
     tight = sizes(100_000, max_model_len=64, enable_prefix_caching=True)
-    assert pools(tight)[:2] == (99, 10) and tight.num_checkpoints == 0
-    assert tight.notes[-1][0] == WARNING and "no room for state checkpoints" in tight.notes[-1][1]
+    assert pools(tight)[:2] == (89, 10) and tight.num_checkpoints == 10
+    # a budget with no room beside the forced slots: the checkpoints yield (and a warning says so)
+    full = sizes(100_000, max_model_len=64, num_state_slots=99, enable_prefix_caching=True)
+    assert pools(full)[:2] == (99, 10) and full.num_checkpoints == 0
+    assert full.notes[-1][0] == WARNING and "no room for state checkpoints" in full.notes[-1][1]
     # no attention: slots as without caching, the checkpoints from what they leave
     mamba = sizes(1_000_000, block_bytes=0, max_num_seqs=100, enable_prefix_caching=True)
     assert (mamba.num_slots, mamba.num_blocks, mamba.num_checkpoints) == (101, 0, 256)
