@@ -116,11 +116,4 @@ def print_serve(rec: dict, metrics: tuple[str, ...] = ("ttft", "tpot", "itl"), p
         for t in rec["per_turn"]:
             label = f"Turn {t['turn']} ({t['mean_prompt_len']:.0f} prompt tokens):"
             print(f"{label:<{w - 12}}{t['mean_ttft_ms']:>8.1f} {t['median_ttft_ms']:>8.1f} {t['p99_ttft_ms']:>8.1f}")
-    if "total_cached_tokens" in rec:
-        print(f"{'Prompt tokens from the prefix cache:':<{w}}{rec['total_cached_tokens']:>12d}")
-    if rec.get("per_turn"):
-        print("{s:{c}^{n}}".format(s="TTFT per turn (ms): mean / median / p99", n=w + 12, c="-"))
-        for t in rec["per_turn"]:
-            label = f"Turn {t['turn']} ({t['mean_prompt_len']:.0f} prompt tokens):"
-            print(f"{label:<{w - 12}}{t['mean_ttft_ms']:>8.1f} {t['median_ttft_ms']:>8.1f} {t['p99_ttft_ms']:>8.1f}")
     print("=" * (w + 12))

@@ -33,21 +33,29 @@ def running_server(*flags: str, model: str | None = None):
     # Several engines live in this process: a fixed small KV pool each, rather than one engine
     # taking the whole memory budget (an EngineConfig field with no flag; the args carry it).
     args.num_kv_blocks = NUM_KV_BLOCKS
+    with serve_in_thread(args, start_timeout=30) as (url, server, thread):
+        yield url, server
+    assert not thread.is_alive()
+
+
+@contextlib.contextmanager
+def serve_in_thread(args, start_timeout: float):
+    """The server of parsed `serve` args on a free loopback port, in a daemon thread; yields
+    (base_url, uvicorn server, thread) and stops it on exit (waiting up to 30 s)."""
     server = build_server(args)
     sock = bind_socket("127.0.0.1", 0)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + start_timeout
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
     finally:
         server.should_exit = True
         thread.join(30)
         sock.close()
-        assert not thread.is_alive()
 
 
 def metrics(base_url: str) -> dict[str, float]:

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import httpx  # noqa: E402
 from mambaserve import LLM, SamplingParams  # noqa: E402
 from mambaserve.config import default_model  # noqa: E402
 from mambaserve.entrypoints.cli import build_parser, expand_config, main  # noqa: E402
-from mambaserve.entrypoints.server import bind_socket, build_server  # noqa: E402
+from tests.entrypoints.servers import serve_in_thread  # noqa: E402
 
 MODEL = default_model()
 KEY = "sk-test-dropin"
@@ -58,20 +57,8 @@ def serving(argv: list[str]):
     parser = build_parser()
     args = parser.parse_args(expand_config(parser, argv))
     args.uvicorn_log_level = "warning"
-    server = build_server(args)
-    sock = bind_socket("127.0.0.1", 0)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", server
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with serve_in_thread(args, start_timeout=60) as (url, server, _):
+        yield url, server
 
 
 def greedy(prompt: str, n: int) -> str:
