@@ -29,7 +29,7 @@ from mambaserve.benchmarks.datasets import (
     random_token_ids,
     stand_in_answer,
 )
-from mambaserve.benchmarks.serve import _payload, stream_completion
+from mambaserve.benchmarks.serve_requests import request_payload, stream_completion
 from mambaserve.benchmarks.serve_results import RequestResult
 
 
@@ -65,7 +65,7 @@ async def run_conversations(conversations: list[Conversation], url: str, model: 
     per_conversation: list[list[RequestResult]] = [[] for _ in conversations]
     async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
         probe_ids = random_token_ids(np.random.default_rng((args.seed, 2**31)), 16, vocab_size)
-        probe = await stream_completion(session, url, _payload(model, BenchRequest(probe_ids, 16, 4), args), 16)
+        probe = await stream_completion(session, url, request_payload(model, BenchRequest(probe_ids, 16, 4), args), 16)
         if not probe.success:
             raise ValueError(f"the test request to {url} failed: {probe.error}")
 
@@ -77,7 +77,7 @@ async def run_conversations(conversations: list[Conversation], url: str, model: 
                                         vocab_size, args.seed)
                     prompt = next_turn_prompt(prompt, answer, conv.user_turns[turn])
                 req = BenchRequest(prompt, len(prompt), conv.output_len)
-                res = await stream_completion(session, url, _payload(model, req, args), req.prompt_len)
+                res = await stream_completion(session, url, request_payload(model, req, args), req.prompt_len)
                 res.turn = turn
                 per_conversation[ci].append(res)
                 if not res.success:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 
 from mambaserve.benchmarks.common import args_record, environment_info, write_json
 from mambaserve.benchmarks.datasets import MULTI_TURN, BenchRequest, build_requests
+from mambaserve.benchmarks.serve_requests import BACKENDS, request_payload, stream_completion
 from mambaserve.benchmarks.serve_results import METRICS, RequestResult, print_serve, serve_record  # noqa: F401
 from mambaserve.benchmarks.throughput import add_dataset_args, dataset_options, resolve_dataset
 
@@ -75,70 +75,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disable-tqdm", action="store_true")
 
 
-# --backend -> (default endpoint, payload kind)
-BACKENDS = {"vllm": ("/v1/completions", "completions"), "openai": ("/v1/completions", "completions"),
-            "openai-chat": ("/v1/chat/completions", "chat")}
-
-
-async def stream_completion(session, url: str, payload: dict, prompt_len: int) -> RequestResult:
-    """POST one streaming completion request and time its server-sent events."""
-    import aiohttp
-
-    res = RequestResult(prompt_len=prompt_len)
-    t0 = last = time.perf_counter()
-    try:
-        async with session.post(url, json=payload) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                return res
-            async for raw in resp.content:  # one line at a time
-                line = raw.decode("utf-8", "replace").strip()
-                if not line.startswith("data:"):
-                    continue  # event separators, ": keep-alive" comments, other SSE fields
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    res.error = f"server error: {str(chunk['error'])[:300]}"
-                    return res
-                usage = chunk.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    res.usage_completion_tokens = int(usage["completion_tokens"])
-                details = (usage or {}).get("prompt_tokens_details") or {}
-                if details.get("cached_tokens") is not None:
-                    res.usage_cached_tokens = int(details["cached_tokens"])
-                choices = chunk.get("choices")
-                if choices:
-                    now = time.perf_counter()
-                    if res.num_chunks == 0:
-                        res.ttft = now - t0
-                    else:
-                        res.itl.append(now - last)
-                    last = now
-                    res.num_chunks += 1
-                    delta = choices[0].get("delta")  # a chat chunk; a completions chunk has text
-                    res.text += (delta.get("content") if isinstance(delta, dict) else choices[0].get("text")) or ""
-        res.latency = time.perf_counter() - t0
-        res.success = res.num_chunks > 0
-        if not res.success:
-            res.error = "the stream carried no completion chunk"
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:  # JSONDecodeError is a ValueError
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-def _payload(model: str, req: BenchRequest, args: argparse.Namespace) -> dict:
-    body = {"model": model, "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
-    if BACKENDS[args.backend][1] == "chat":
-        body.update(messages=[{"role": "user", "content": req.prompt}], max_completion_tokens=req.output_len)
-    else:
-        body.update(prompt=req.prompt, max_tokens=req.output_len)
-    if args.ignore_eos:
-        body["ignore_eos"] = True
-    return body
-
-
 async def run_load(requests: list[BenchRequest], url: str, model: str,
                    args: argparse.Namespace) -> tuple[list[RequestResult], float]:
     """Send every request at the chosen rate and concurrency; returns the results (in request
@@ -154,7 +90,7 @@ async def run_load(requests: list[BenchRequest], url: str, model: str,
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     bar = None
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as session:
-        probe = await stream_completion(session, url, _payload(model, requests[0], args), requests[0].prompt_len)
+        probe = await stream_completion(session, url, request_payload(model, requests[0], args), requests[0].prompt_len)
         if not probe.success:
             raise ValueError(f"the test request to {url} failed: {probe.error}")
         if not args.disable_tqdm:
@@ -164,10 +100,10 @@ async def run_load(requests: list[BenchRequest], url: str, model: str,
 
         async def one(req: BenchRequest) -> RequestResult:
             if sem is None:
-                res = await stream_completion(session, url, _payload(model, req, args), req.prompt_len)
+                res = await stream_completion(session, url, request_payload(model, req, args), req.prompt_len)
             else:
                 async with sem:
-                    res = await stream_completion(session, url, _payload(model, req, args), req.prompt_len)
+                    res = await stream_completion(session, url, request_payload(model, req, args), req.prompt_len)
             if bar is not None:
                 bar.update(1)
             return res
