@@ -123,7 +123,8 @@ def _prompt(r: BenchRequest):
 def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True, num_warmup_prompts: int = 0,
                        n: int = 1) -> dict:
     """Generate all `requests` in one `llm.generate` call, after `num_warmup_prompts` untimed
-    ones (the first requests, outputs capped at 16 tokens); returns the measured record fields."""
+    ones (the first requests, outputs capped at 16 tokens; the prefix cache is emptied after them);
+    returns the measured record fields."""
     from mambaserve.sampling_params import SamplingParams
 
     num = n
@@ -135,6 +136,7 @@ def measure_throughput(llm, requests: list[BenchRequest], use_tqdm: bool = True,
     warm = requests[:max(0, num_warmup_prompts)]
     if warm:
         llm.generate([_prompt(r) for r in warm], [params_for(r, 16) for r in warm], use_tqdm=False)
+        llm.reset_prefix_cache()  # the timed run sends these prompts again: no hits from the warm-up
     prompts = [_prompt(r) for r in requests]
     params = [params_for(r) for r in requests]
     engine = llm.llm_engine

@@ -325,3 +325,20 @@ def test_bench_models_plan_and_summary():
     assert "OOM (skipped)" in table[3] and "| 30.0x |" in table[5] and "20-s window" in table[5]
     assert any("12,000 total tokens/s (target >= 11,000): met" in line for line in table)
     assert any("in1024-out128-bs1: 12.0x transformers (target >= 10x): met" in line for line in table)
+
+
+def test_throughput_warmup_prompts_are_not_served_from_the_prefix_cache():
+    # the warm-up sends the first prompts, which the timed run sends again: a cache kept from the
+    # warm-up would serve them and flatter the figure
+    from mambaserve.benchmarks.datasets import BenchRequest
+    from mambaserve.benchmarks.throughput import measure_throughput
+
+    llm = mambaserve.LLM(checkpoint("granite-moe"), dtype="float32", device="cpu", skip_tokenizer_init=True,
+                         max_num_seqs=4, block_size=4, mamba_block_size=8, max_model_len=64)
+    rng = np.random.default_rng(3)
+    reqs = [BenchRequest(rng.integers(1, VOCAB, size=30).tolist(), 30, 2) for _ in range(3)]
+    measure_throughput(llm, reqs, use_tqdm=False, num_warmup_prompts=2)
+    usage = llm.llm_engine.usage()
+    assert usage.prefix_cache_queries > 0 and usage.prefix_cache_hits == 0
+    llm.generate([{"prompt_token_ids": reqs[0].prompt}], mambaserve.SamplingParams(max_tokens=1))
+    assert llm.llm_engine.usage().prefix_cache_hits == 24  # the cache works: a repeat resumes at 24
