@@ -24,7 +24,15 @@ import torch
 
 from mambaserve.ops import conv1d
 from mambaserve.ops.attention import AttentionPlan, plan_paged_attention
-from mambaserve.ops.varlen import SsdChunks, TokenBlocks, check_offsets, conv_token_blocks, ssd_chunks
+from mambaserve.ops.varlen import (
+    NO_SAVES,
+    SsdChunks,
+    StateSaves,
+    TokenBlocks,
+    check_offsets,
+    conv_token_blocks,
+    ssd_chunks,
+)
 
 
 @dataclass
@@ -43,6 +51,8 @@ class ForwardContext:
         (non-negative, non-decreasing). seq_lens_host: (batch,) int64 numpy, the lengths the
         attention plan is built for (a decode graph's: the longest context it plans for).
     mamba_caches / kv_caches: the cache tensors, indexed by a layer's cache index.
+    state_saves: prefix caching's state checkpoints inside this step's prefills
+    (`ops.varlen.StateSaves`), which the Mamba layers hand to their prefill ops.
     Raises ValueError on host copies that disagree with the batch or offsets that decrease.
     """
 
@@ -60,6 +70,7 @@ class ForwardContext:
     seq_lens_host: np.ndarray
     mamba_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    state_saves: StateSaves = NO_SAVES
     # the plans, built on first use and kept for the step (keyed by what each depends on)
     _prefill: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
     _conv_blocks: dict[int, TokenBlocks] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -74,6 +85,7 @@ class ForwardContext:
         if self.query_start_loc_host.shape != (batch + 1,) or self.seq_lens_host.shape != (batch,):
             raise ValueError(f"host copies of {self.query_start_loc_host.size} offsets and {self.seq_lens_host.size} "
                              f"lengths for a batch of {batch}")
+        self.state_saves.check(self.query_start_loc_host)
 
     @property
     def batch_size(self) -> int:
@@ -102,7 +114,8 @@ class ForwardContext:
                 slot_mapping=None if self.slot_mapping is None else self.slot_mapping[nd:],
                 num_decodes=0, num_tokens=self.num_tokens - nd, max_query_len=self.max_query_len,
                 max_seq_len=self.max_seq_len, query_start_loc_host=self.query_start_loc_host[nd:] - nd,
-                seq_lens_host=self.seq_lens_host[nd:], mamba_caches=self.mamba_caches, kv_caches=self.kv_caches)
+                seq_lens_host=self.seq_lens_host[nd:], mamba_caches=self.mamba_caches, kv_caches=self.kv_caches,
+                state_saves=self.state_saves.shifted(nd, nd))
         return self._prefill
 
     def conv_blocks(self) -> TokenBlocks:
@@ -118,7 +131,8 @@ class ForwardContext:
         """The chunks of `ops.ssd_chunk_scan` of `chunk_size` rows for this batch, built on first use."""
         chunks = self._ssd_chunks.get(chunk_size)
         if chunks is None:
-            chunks = self._ssd_chunks[chunk_size] = ssd_chunks(self.query_start_loc_host, chunk_size, self.device)
+            chunks = self._ssd_chunks[chunk_size] = ssd_chunks(self.query_start_loc_host, chunk_size, self.device,
+                                                               self.state_saves)
         return chunks
 
     def attention_plan(self, group_size: int, num_kv_heads: int, block_size: int) -> AttentionPlan:
@@ -150,13 +164,15 @@ class ForwardContext:
         mamba_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         pad_to: int | None = None,
+        state_saves: list[tuple[int, int, int]] | None = None,
     ) -> ForwardContext:
         """Build the context from host lists, one entry per sequence (decodes first).
 
         query_lens[i] new tokens of sequence i end at position seq_lens[i] - 1. block_tables[i]
         must cover seq_lens[i] tokens when given. pad_to: the token count of a padded forward
         (piecewise graphs): slot_mapping gets -1 for the padding rows, which belong to no
-        sequence. Raises ValueError on inconsistent lengths.
+        sequence. state_saves: (sequence, offset, state row) triples, sorted (`StateSaves`).
+        Raises ValueError on inconsistent lengths or saves outside their sequences.
         """
         n = len(query_lens)
         if not (len(seq_lens) == len(state_indices) == len(has_initial_state) == n):
@@ -205,4 +221,6 @@ class ForwardContext:
             seq_lens_host=np.asarray(seq_lens, dtype=np.int64),
             mamba_caches=mamba_caches or [],
             kv_caches=kv_caches or [],
+            state_saves=StateSaves(*map(tuple, zip(*[(i, o, r, offsets[i]) for i, o, r in state_saves])))
+            if state_saves else NO_SAVES,
         )

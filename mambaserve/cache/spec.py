@@ -47,12 +47,15 @@ class CacheDtypes:
 @dataclass(frozen=True)
 class MambaSpec:
     """Per-request state of one Mamba layer: conv_shape (width - 1, conv_dim) in conv_dtype,
-    ssm_shape (nheads, headdim, dstate) (Mamba2) or (d_inner, dstate) (Mamba-1) in ssm_dtype."""
+    ssm_shape (nheads, headdim, dstate) (Mamba2) or (d_inner, dstate) (Mamba-1) in ssm_dtype.
+    saves_inside_prefill: the layer's prefill ops write state checkpoints at positions inside
+    a chunk (`ForwardContext.state_saves`); without it a chunk must end at each checkpoint."""
 
     conv_shape: tuple[int, int]
     ssm_shape: tuple[int, ...]
     conv_dtype: torch.dtype
     ssm_dtype: torch.dtype
+    saves_inside_prefill: bool = False
 
     @property
     def conv_bytes(self) -> int:
@@ -100,6 +103,15 @@ class CacheSpec:
     def bytes_per_slot(self) -> int:
         """Bytes of conv + SSM state one request holds across all Mamba layers."""
         return sum(m.bytes for m in self.mamba)
+
+    @property
+    def min_inner_save_offset(self) -> int | None:
+        """How many rows of a prefill chunk must precede a state checkpoint saved inside it (the
+        conv's width - 1 inputs come from the chunk); None when some Mamba layer cannot save
+        inside a chunk (or there is none), so that chunks end at checkpoints."""
+        if not self.mamba or not all(m.saves_inside_prefill for m in self.mamba):
+            return None
+        return max(1, max(m.conv_shape[0] for m in self.mamba))
 
     def bytes_per_block(self, block_size: int) -> int:
         """Bytes of K and V one KV block of `block_size` tokens holds across all attention layers."""

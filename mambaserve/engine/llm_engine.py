@@ -91,7 +91,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
             slot_pool=self.slot_pool, block_pool=self.block_pool, enable_chunked_prefill=config.enable_chunked_prefill,
-            prefix_cache=pools.prefix_cache)
+            prefix_cache=pools.prefix_cache, min_inner_save_offset=runner.spec.min_inner_save_offset)
         self.sampler = Sampler(eos + extra_eos or None)
         self.stats = EngineStats()
         self._counter = itertools.count()

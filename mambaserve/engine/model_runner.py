@@ -244,14 +244,15 @@ class ModelRunner:
         sequence's request id and the absolute position of its first row."""
         ids, positions, query_lens, slots, tables = [], [], [], [], []
         sample_rows, sample_seqs, prompt_rows, prompt_owners = [], [], [], []
-        loads, saves = [], []
+        loads, saves, inner_saves = [], [], []
         offset = 0
-        for s in scheduled:
+        for i, s in enumerate(scheduled):
             seq, n = s.seq, s.num_new_tokens
             if s.load_checkpoint is not None:
                 loads.append((s.load_checkpoint, seq.state_slot))
             if s.save_checkpoint is not None:
                 saves.append((seq.state_slot, s.save_checkpoint))
+            inner_saves.extend((i, o, row) for o, row in s.inner_saves)
             start = seq.num_computed_tokens
             ids.extend(seq.get_token_ids(start, start + n))
             positions.extend(range(start, start + n))
@@ -268,7 +269,7 @@ class ModelRunner:
                 prompt_owners.append((seq.request_id, start))
             offset += n
         step = StepInput(ids, positions, query_lens, slots, tables, sample_rows, prompt_rows,
-                         checkpoint_loads=loads, checkpoint_saves=saves)
+                         checkpoint_loads=loads, checkpoint_saves=saves, state_saves=inner_saves)
         return step, sample_seqs, prompt_owners
 
     @torch.inference_mode()
@@ -361,7 +362,7 @@ class ModelRunner:
             query_lens=step.query_lens, seq_lens=[p + n for p, n in zip(starts, step.query_lens)],
             state_indices=step.state_slots, has_initial_state=[p > 0 for p in starts],
             block_tables=self._tables(step), block_size=self.block_size, device=self.device,
-            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv, pad_to=pad_to,
+            mamba_caches=self.caches.mamba, kv_caches=self.caches.kv, pad_to=pad_to, state_saves=step.state_saves,
         )
 
     def _needed_logits(self, step: StepInput, logits_of, path: str

@@ -33,10 +33,14 @@ checkpoints the previous step saved become visible and every running sequence's 
 blocks are registered (so a prefix computed in a step is never matched within that step). An
 admitted sequence first matches its prefix: its block table starts with the cached blocks
 (shared, never written), `num_computed_tokens` with the matched tokens, and its first chunk
-copies the checkpoint row into its slot (`load_checkpoint`). A prefill chunk that would pass
-one of the sequence's `checkpoint_positions` ends there instead, and its step copies the slot
-into a checkpoint row (`save_checkpoint`); without chunked prefill too (the rest of the prompt
-is the next step's running prefill). A sequence asking for prompt logprobs matches nothing
+copies the checkpoint row into its slot (`load_checkpoint`). A prefill chunk that passes one
+of the sequence's `checkpoint_positions` has its forward write the state there into a
+checkpoint row (`inner_saves`: Mamba2 layers, when the position is at least
+`min_inner_save_offset` tokens into the chunk, for the conv's inputs); otherwise (Mamba-1
+layers, or a position right after the chunk's start) the chunk ends there and its step copies
+the slot into a checkpoint row (`save_checkpoint`), without chunked prefill too (the rest of
+the prompt is the next step's running prefill). Saving inside the chunk spares a prompt the
+extra step (a whole pass over the weights) that ending there costs. A sequence asking for prompt logprobs matches nothing
 (they need every prompt row's logits). Released blocks keep their hashes (cached).
 
 Assumptions the engine guarantees: each sequence fits the KV pool on its own (so the oldest
@@ -66,6 +70,8 @@ class ScheduledSequence:
     num_new_tokens: int
     load_checkpoint: int | None = None  # state row copied into seq.state_slot before the forward
     save_checkpoint: int | None = None  # state row seq.state_slot is copied into after the forward
+    # (offset, state row): checkpoints the forward writes inside the chunk, after `offset` of its tokens
+    inner_saves: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -102,6 +108,7 @@ class Scheduler:
         block_pool: BlockPool | None,
         enable_chunked_prefill: bool = True,
         prefix_cache: PrefixCache | None = None,
+        min_inner_save_offset: int | None = None,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -117,6 +124,9 @@ class Scheduler:
         self._by_id: dict[str, Sequence] = {}
         assert prefix_cache is None or prefix_cache.block_pool is block_pool
         self.prefix_cache = prefix_cache
+        # the model's layers write checkpoints inside a chunk at least this far into it
+        # (`CacheSpec.min_inner_save_offset`); None: chunks end at checkpoints
+        self.min_inner_save_offset = min_inner_save_offset
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -210,7 +220,7 @@ class Scheduler:
                         break
                 if seq.status != SequenceStatus.RUNNING:
                     continue
-                scheduled.append(ScheduledSequence(seq, num_new, save_checkpoint=self._save_row(seq, num_new)))
+                scheduled.append(self._with_saves(ScheduledSequence(seq, num_new)))
                 scheduled_ids.add(id(seq))
                 budget -= num_new
 
@@ -232,8 +242,7 @@ class Scheduler:
             num_new = self._admit(seq, num_new, match)
             if not num_new:
                 break
-            scheduled.append(ScheduledSequence(seq, num_new, load_checkpoint=match.checkpoint_row,
-                                               save_checkpoint=self._save_row(seq, num_new)))
+            scheduled.append(self._with_saves(ScheduledSequence(seq, num_new, load_checkpoint=match.checkpoint_row)))
             scheduled_ids.add(id(seq))
             budget -= num_new
 
@@ -271,8 +280,7 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is not None:
             seq.checkpoint_positions = cache.plan_checkpoints(seq.block_hashes, match.num_tokens, seq.num_prompt_tokens)
-            if seq.checkpoint_positions:
-                num_new = min(num_new, seq.checkpoint_positions[0] - match.num_tokens)
+            num_new = self._chunk_end(match.num_tokens, seq.checkpoint_positions, num_new)
         cached = match.blocks or []
         if self.block_pool is not None and not self.block_pool.can_allocate(
             self.block_pool.blocks_needed(match.num_tokens + num_new) - len(cached), reusing=cached
@@ -314,20 +322,43 @@ class Scheduler:
         return cache.match(seq.block_hashes, seq.num_tokens)
 
     def _to_checkpoint(self, seq: Sequence, num_new: int) -> int:
-        """num_new, cut so that the chunk ends at the sequence's next checkpoint position."""
+        """num_new, cut so that the chunk ends at the sequence's next checkpoint position that
+        the forward cannot save inside the chunk (`_chunk_end`)."""
         start, positions = seq.num_computed_tokens, seq.checkpoint_positions
         while positions and positions[0] <= start:
             positions.pop(0)
-        return min(num_new, positions[0] - start) if positions else num_new
+        return self._chunk_end(start, positions, num_new)
 
-    def _save_row(self, seq: Sequence, num_new: int) -> int | None:
-        """The checkpoint row this step saves the sequence's slot into: when its chunk ends at
-        its next checkpoint position (None otherwise, or when no row can be had)."""
-        positions = seq.checkpoint_positions
-        if not positions or seq.num_computed_tokens + num_new != positions[0]:
-            return None
-        positions.pop(0)
-        return self.prefix_cache.reserve_checkpoint(seq.block_hashes, seq.num_computed_tokens + num_new)
+    def _chunk_end(self, start: int, positions: list[int], num_new: int) -> int:
+        """The tokens of a chunk from `start` given its sequence's checkpoint positions (sorted,
+        all after start): num_new, or fewer to end at the first position the layers cannot
+        save inside the chunk (closer to start than `min_inner_save_offset`, or every position
+        when they cannot save inside one)."""
+        for p in positions:
+            if p >= start + num_new:
+                break
+            if self.min_inner_save_offset is None or p - start < self.min_inner_save_offset:
+                return p - start
+        return num_new
+
+    def _with_saves(self, s: ScheduledSequence) -> ScheduledSequence:
+        """s with the checkpoint rows its step saves into: one for each checkpoint position
+        inside the chunk (`inner_saves`) and one at its end (`save_checkpoint`), each taken
+        off the sequence's positions; a position with no row to be had is skipped."""
+        seq, positions = s.seq, s.seq.checkpoint_positions
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + s.num_new_tokens
+        inner = []
+        while positions and positions[0] <= end:
+            p = positions.pop(0)
+            row = self.prefix_cache.reserve_checkpoint(seq.block_hashes, p)
+            if row is None:
+                continue
+            if p == end:
+                s.save_checkpoint = row
+            else:
+                inner.append((p - start, row))
+        s.inner_saves = tuple(inner)
+        return s
 
     def _register_blocks(self, seq: Sequence) -> None:
         """Register the sequence's blocks that are full and computed (their KV is in the cache

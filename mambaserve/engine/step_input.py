@@ -32,7 +32,9 @@ class StepInput:
     slice whose logits are wanted (prompt logprobs), in order. checkpoint_loads: (checkpoint
     row, slot) pairs of prefix caching, each checkpoint's state copied into the slot before
     the forward; checkpoint_saves: (slot, checkpoint row) pairs, copied after it (rows of the
-    same state tensors: `cache.checkpoint_pool`). Every rank applies them to its own shard.
+    same state tensors: `cache.checkpoint_pool`); state_saves: (sequence, offset, checkpoint
+    row) triples, checkpoints the Mamba layers write inside a prefill chunk during the forward
+    (`ForwardContext.state_saves`). Every rank applies them to its own shard.
     """
 
     token_ids: list[int]
@@ -46,6 +48,7 @@ class StepInput:
     token_rows: list[int] | None = None
     checkpoint_loads: list[tuple[int, int]] = field(default_factory=list)
     checkpoint_saves: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def starts(self) -> list[int]:

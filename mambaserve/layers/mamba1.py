@@ -117,6 +117,8 @@ class MambaMixer(nn.Module):
         multiplied by silu(z). Reads and writes this layer's state slots of `ctx`. Rows past
         the last sequence (padding of a piecewise graph) are left unwritten.
         """
+        # its spec does not declare saves_inside_prefill: the scheduler ends chunks at checkpoints
+        assert not len(ctx.state_saves), "the Mamba-1 scan writes no state checkpoint inside a chunk"
         I = self.intermediate_size
         x, z = xz[:, :I], xz[:, I:]  # column slices: the conv and the scan read them in place
         conv_states, ssm_states = ctx.mamba_caches[self.cache_index]

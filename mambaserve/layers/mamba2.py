@@ -177,7 +177,7 @@ class Mamba2Mixer(nn.Module):
     def cache_spec(self, dtypes: CacheDtypes) -> MambaSpec:
         """Per request: conv state (width - 1, conv_dim), SSM state (nheads, headdim, dstate)."""
         return MambaSpec((self.conv_kernel - 1, self.conv_dim), (self.num_heads, self.head_dim, self.d_state),
-                         dtypes.conv, dtypes.ssm)
+                         dtypes.conv, dtypes.ssm, saves_inside_prefill=True)
 
     def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext, partials: bool = False) -> torch.Tensor:
         """hidden_states: (T, hidden) -> (T, hidden). partials=True (for a caller whose next op
@@ -258,8 +258,10 @@ class Mamba2Mixer(nn.Module):
         conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         xBC = ops.causal_conv1d(xBC, weight, self.conv1d.bias, conv_states, ctx.query_start_loc,
-                                ctx.state_indices, ctx.has_initial_state, blocks=ctx.conv_blocks())
+                                ctx.state_indices, ctx.has_initial_state, blocks=ctx.conv_blocks(),
+                                state_saves=ctx.state_saves)
         x, B, C = self._split_xbc(xBC)
         return ops.ssd_chunk_scan(x, dt, self.decay_rates(), B, C, self.chunk_size, self.D, z, self.dt_bias,
                                     ssm_states, ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
-                                    dt_softplus=True, dt_limit=self.dt_limit, chunks=ctx.ssd_chunks(self.chunk_size))
+                                    dt_softplus=True, dt_limit=self.dt_limit, chunks=ctx.ssd_chunks(self.chunk_size),
+                                    state_saves=ctx.state_saves)

@@ -22,7 +22,7 @@ import torch
 from mambaserve.ops import reference
 from mambaserve.ops.common import check, check_batch, next_power_of_2
 from mambaserve.ops.dispatch import tl, triton, use_triton
-from mambaserve.ops.varlen import TokenBlocks, conv_token_blocks, read_offsets
+from mambaserve.ops.varlen import NO_SAVES, StateSaves, TokenBlocks, conv_token_blocks, read_offsets
 
 # Fixed launch configs (tuned offline with benchmarks/kernels.py; never autotuned, since the
 # kernels write conv states in place).
@@ -169,6 +169,7 @@ def causal_conv1d(
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
     blocks: TokenBlocks | None = None,
+    state_saves: StateSaves = NO_SAVES,
 ) -> torch.Tensor:
     """Depthwise causal conv1d over a packed batch mixing prefills and decodes (Mamba2 and Mamba-1).
 
@@ -183,16 +184,23 @@ def causal_conv1d(
     Returns (num_tokens, dim) in x.dtype; rows past query_start_loc[-1] are left unwritten.
     Sequence i is convolved as if preceded by conv_states[state_indices[i]] (zeros when it has
     no initial state); that slot then holds the last width - 1 inputs of the concatenation.
-    Math: `reference.causal_conv1d`. Raises ValueError on inconsistent shapes, conv_states not
-    contiguous along dim, query_start_loc that starts below 0, decreases or ends past x's rows,
-    or blocks planned for another batch or block size.
+    state_saves (`varlen.StateSaves`, prefix caching's checkpoints inside the sequences): each
+    save's row gets the width - 1 inputs before its position, what a step ending there would
+    leave in the slot; on the Triton path a save needs at least width - 1 rows of its sequence
+    before it (ValueError otherwise). Math: `reference.causal_conv1d`. Raises ValueError on
+    inconsistent shapes, conv_states not contiguous along dim, query_start_loc that starts
+    below 0, decreases or ends past x's rows, or blocks planned for another batch or block size.
     """
     dim, width = _check_conv(x, weight, bias, conv_states, activation)
     batch = check_batch(query_start_loc, state_indices, has_initial_state)
     num_tokens = x.shape[0]
+    check(all(0 <= r < conv_states.shape[0] for r in state_saves.row),
+          lambda: f"state save rows {state_saves.row} outside the {conv_states.shape[0]} rows of conv_states")
     if not use_triton(x):
         return reference.causal_conv1d(x, weight, bias, conv_states, query_start_loc, state_indices,
-                                       has_initial_state, activation)
+                                       has_initial_state, activation, state_saves)
+    if len(state_saves) and width > 1:
+        save_conv_states(x, conv_states, state_saves)
     cfg = CONV_CONFIG
     if blocks is None:
         blocks = conv_token_blocks(read_offsets(query_start_loc), cfg["block_t"], x.device)
@@ -216,6 +224,21 @@ def causal_conv1d(
         BLOCK_T=cfg["block_t"], BLOCK_D=cfg["block_d"], num_warps=cfg["num_warps"],
     )
     return out
+
+
+def save_conv_states(x: torch.Tensor, conv_states: torch.Tensor, state_saves: StateSaves) -> None:
+    """conv_states[row] = the width - 1 rows of x (num_tokens, dim) before each save's position
+    (`StateSaves`): one gather and one scatter, run before the conv kernel, which overwrites
+    the slots but not x. Raises ValueError for a save with fewer than width - 1 rows of its
+    sequence before it (those inputs are in the slot's initial state, which this does not read)."""
+    width = conv_states.shape[1] + 1
+    check(all(o >= width - 1 for o in state_saves.offset),
+          lambda: f"a state save needs the {width - 1} rows before it inside its sequence, got offsets "
+                  f"{state_saves.offset}")
+    src = [s + o - (width - 1) + j for s, o in zip(state_saves.start, state_saves.offset) for j in range(width - 1)]
+    rows = torch.tensor(state_saves.row, dtype=torch.int64).to(x.device, non_blocking=True)
+    src_t = torch.tensor(src, dtype=torch.int64).to(x.device, non_blocking=True)
+    conv_states[rows] = x[src_t].view(len(state_saves), width - 1, x.shape[1]).to(conv_states.dtype)
 
 
 def causal_conv1d_update(

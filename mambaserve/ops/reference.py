@@ -49,11 +49,12 @@ def _sequences(query_start_loc: torch.Tensor, num_rows: int | None = None):
 
 
 def causal_conv1d(x, weight, bias, conv_states, query_start_loc, state_indices, has_initial_state,
-                  activation="silu"):
+                  activation="silu", state_saves=None):
     """The math of `causal_conv1d`, see `ops.conv1d.causal_conv1d`: out[t, d] = act(bias[d] +
     sum_k weight[d, k] * xs[t + k, d]) where xs is the sequence preceded by its width - 1
     previous inputs (the conv state, or zeros). The slot then holds the last width - 1 rows of
-    xs (Mamba2 paper, section 7: the short convolution on x, B, C)."""
+    xs (Mamba2 paper, section 7: the short convolution on x, B, C); a state save's row the
+    width - 1 inputs before its position."""
     width = weight.shape[1]
     cdt = _compute_dtype(x)
     out = torch.empty_like(x)
@@ -72,6 +73,9 @@ def causal_conv1d(x, weight, bias, conv_states, query_start_loc, state_indices, 
             out[start:end] = _activate(y, activation).to(x.dtype)
         if slot >= 0 and width > 1:
             conv_states[slot] = xs[xs.shape[0] - (width - 1) :].to(conv_states.dtype)
+        for b, row in _save_points(state_saves, i, start, end)[:-1] if state_saves else []:
+            if width > 1:  # the width - 1 inputs before the saved position (xs is offset by width - 1)
+                conv_states[row] = xs[b - start : b - start + width - 1].to(conv_states.dtype)
     return out
 
 
@@ -147,12 +151,21 @@ def _expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
     return t.repeat_interleave(nheads // t.shape[1], dim=1)
 
 
+def _save_points(state_saves, i: int, start: int, end: int) -> list[tuple[int, int]]:
+    """(end row, save row) of each piece sequence i's rows start:end split at its state saves,
+    the last piece's save row -1 (its final state goes to the slot)."""
+    cuts = [(start + o, r) for j, o, r in zip(state_saves.seq, state_saves.offset, state_saves.row) if j == i]
+    return [*cuts, (end, -1)]
+
+
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states, query_start_loc, state_indices,
-                   has_initial_state, dt_softplus=True, dt_limit=(0.0, math.inf)):
+                   has_initial_state, dt_softplus=True, dt_limit=(0.0, math.inf), state_saves=None):
     """The math of `ssd_chunk_scan` (Mamba2), see `ops.ssd.ssd_chunk_scan` (Mamba2 paper,
     sections 3 and 6): dt' = clamp(softplus(dt + dt_bias), dt_limit); h_t = exp(dt'_t A) h_{t-1}
     + dt'_t x_t B_t^T; y_t = h_t C_t + D x_t; y *= silu(z). Computed per sequence with the
-    chunked SSD algorithm in float32 (float64 for float64 x)."""
+    chunked SSD algorithm in float32 (float64 for float64 x). A sequence with state saves is
+    computed piece by piece, each piece's final state written into its save row and read back
+    from it (in ssm_states' dtype) as the next piece's initial state: a step ending there."""
     cdt = _compute_dtype(x)
     nheads = x.shape[1]
     dtp = _process_dt(dt, dt_bias, dt_softplus, dt_limit, cdt)  # (T, H)
@@ -168,12 +181,16 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states, query_
             if slot >= 0:
                 ssm_states[slot] = (init if init is not None else torch.zeros_like(ssm_states[slot]))
             continue
-        # The result does not depend on the chunk size: a short sequence (a decode inside a
-        # mixed batch) is one chunk of its own length instead of a mostly padded one.
-        ys, final = ssd_sequence(
-            xc[start:end], dtp[start:end], Ac, Bh[start:end], Ch[start:end], min(chunk_size, end - start), init
-        )
-        y[start:end] = ys
+        a = start
+        for b, row in _save_points(state_saves, i, start, end) if state_saves else [(end, -1)]:
+            # The result does not depend on the chunk size: a short sequence (a decode inside a
+            # mixed batch) is one chunk of its own length instead of a mostly padded one.
+            ys, final = ssd_sequence(xc[a:b], dtp[a:b], Ac, Bh[a:b], Ch[a:b], min(chunk_size, b - a), init)
+            y[a:b] = ys
+            if row >= 0:
+                ssm_states[row] = final.to(ssm_states.dtype)
+                init = ssm_states[row].to(cdt)
+            a = b
         if slot >= 0:
             ssm_states[slot] = final.to(ssm_states.dtype)
     if D is not None:

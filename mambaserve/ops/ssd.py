@@ -43,7 +43,7 @@ from mambaserve.ops.common import (
     process_dt,
 )
 from mambaserve.ops.dispatch import tl, triton, use_triton
-from mambaserve.ops.varlen import SsdChunks, read_offsets, ssd_chunks
+from mambaserve.ops.varlen import NO_SAVES, SsdChunks, StateSaves, read_offsets, ssd_chunks
 
 # Fixed launch configs; block sizes are capped by the problem's own sizes at launch.
 CHUNK_STATE_CONFIG = {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
@@ -181,11 +181,23 @@ def _chunk_cb_kernel(
 
 
 @triton.jit
+def _save_state(state, save_row_ptr, c, pool_ptr, h, e, mask, dstate, stride_pool_slot, stride_pool_h,
+                stride_pool_p, stride_pool_n):
+    """Write the float32 state at the start of chunk c into its save row (prefix caching's
+    checkpoint inside a prefill), when the chunk has one (row >= 0); mask: the chunk's live
+    elements (all False past the sequence's last chunk)."""
+    row = tl.load(save_row_ptr + c + 0 * e, mask=mask, other=-1)  # one row, read as a block (masks)
+    ptrs = pool_ptr + row.to(tl.int64) * stride_pool_slot + h * stride_pool_h + (e // dstate) * stride_pool_p \
+        + (e % dstate) * stride_pool_n
+    tl.store(ptrs, state.to(pool_ptr.dtype.element_ty), mask=mask & (row >= 0))
+
+
+@triton.jit
 def _state_passing_kernel(
-    states_ptr, chunk_dA_ptr, state_in_ptr, pool_ptr, seq_chunk_ptr, state_idx_ptr, has_init_ptr,
+    states_ptr, chunk_dA_ptr, state_in_ptr, pool_ptr, seq_chunk_ptr, state_idx_ptr, has_init_ptr, save_row_ptr,
     nheads, state_size, dstate,
     stride_pool_slot, stride_pool_h, stride_pool_p, stride_pool_n,
-    BLOCK: tl.constexpr,
+    HAS_SAVES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # flat (p, n) index inside the head
     h = tl.program_id(1)
@@ -224,12 +236,24 @@ def _state_passing_kernel(
         a3 = tl.exp(tl.load(chunk_dA_ptr + (c64 + 3) * nheads + h, mask=m3, other=0.0))
         out_ty = state_in_ptr.dtype.element_ty
         tl.store(state_in_ptr + off, state.to(out_ty), mask=e_mask)
+        if HAS_SAVES:
+            _save_state(state, save_row_ptr, c64, pool_ptr, h, e, e_mask, dstate, stride_pool_slot,
+                        stride_pool_h, stride_pool_p, stride_pool_n)
         state = state * a0 + s0
         tl.store(state_in_ptr + off + head_stride, state.to(out_ty), mask=e1)
+        if HAS_SAVES:
+            _save_state(state, save_row_ptr, c64 + 1, pool_ptr, h, e, e1, dstate, stride_pool_slot,
+                        stride_pool_h, stride_pool_p, stride_pool_n)
         state = state * a1 + s1
         tl.store(state_in_ptr + off + 2 * head_stride, state.to(out_ty), mask=e2)
+        if HAS_SAVES:
+            _save_state(state, save_row_ptr, c64 + 2, pool_ptr, h, e, e2, dstate, stride_pool_slot,
+                        stride_pool_h, stride_pool_p, stride_pool_n)
         state = state * a2 + s2
         tl.store(state_in_ptr + off + 3 * head_stride, state.to(out_ty), mask=e3)
+        if HAS_SAVES:
+            _save_state(state, save_row_ptr, c64 + 3, pool_ptr, h, e, e3, dstate, stride_pool_slot,
+                        stride_pool_h, stride_pool_p, stride_pool_n)
         state = state * a3 + s3
     if slot >= 0:
         tl.debug_barrier()  # the initial-state read of every thread precedes the final write
@@ -371,6 +395,7 @@ def ssd_chunk_scan(
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
     chunks: SsdChunks | None = None,
+    state_saves: StateSaves = NO_SAVES,
 ) -> torch.Tensor:
     """The Mamba2 SSD scan over variable-length packed sequences, with state pool I/O (Mamba2
     prefill and mixed steps; Mamba-1 is `selective_scan`).
@@ -386,6 +411,10 @@ def ssd_chunk_scan(
     not depend on it). chunks: the step's chunk boundaries for this chunk_size
     (`ForwardContext.ssd_chunks`, or `varlen.ssd_chunks`), used by the kernels; None builds
     them from a device read of query_start_loc (a host sync, never inside a CUDA-graph capture).
+    state_saves: prefix caching's checkpoints inside the sequences (`varlen.StateSaves`): the
+    state after each save's offset rows goes into its row of ssm_states, bit for bit what a
+    step ending there would leave in the slot (the chunks restart there); the plan `chunks`
+    must be built with the same saves.
     Returns y like x, in x.dtype; rows past query_start_loc[-1] are left unwritten.
     Math (Mamba2 paper, "Transformers are SSMs", section 6): dt' = clamp(softplus(dt + dt_bias),
     dt_limit); h_t = exp(dt'_t A) h_{t-1} + dt'_t x_t B_t^T; y_t = h_t C_t + D x_t;
@@ -398,15 +427,18 @@ def ssd_chunk_scan(
     check_ssd_operands(x, dt, A, B, C, D, z, dt_bias, ssm_states)
     chunk_size = check_positive_int(chunk_size, "chunk_size")
     batch = check_batch(query_start_loc, state_indices, has_initial_state)
+    check(all(0 <= r < ssm_states.shape[0] for r in state_saves.row),
+          lambda: f"state save rows {state_saves.row} outside the {ssm_states.shape[0]} rows of ssm_states")
     if not use_triton(x):
         return reference.ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states, query_start_loc,
-                                        state_indices, has_initial_state, dt_softplus, dt_limit)
+                                        state_indices, has_initial_state, dt_softplus, dt_limit, state_saves)
     num_tokens, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     dev = x.device
     check(x.dtype in TL_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if chunks is None:
-        chunks = ssd_chunks(read_offsets(query_start_loc), chunk_size, dev)
+        chunks = ssd_chunks(read_offsets(query_start_loc), chunk_size, dev, state_saves)
+    check(chunks.saves == state_saves, "the SSD chunks were planned for other state saves")
     check((chunks.chunk_size, chunks.batch) == (chunk_size, batch),
           lambda: f"SSD chunks of {chunks.chunk_size} for {chunks.batch} sequences; the call has "
                   f"chunk_size {chunk_size} and {batch} sequences")
@@ -464,8 +496,9 @@ def ssd_chunk_scan(
     grid = (triton.cdiv(state_size, block), nheads, batch)
     _state_passing_kernel[grid](
         states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
+        chunks.save_row if chunks.save_row is not None else chunks.seq_chunk,
         nheads, state_size, dstate, *ssm_states.stride(),
-        BLOCK=block, num_warps=cfg["num_warps"],
+        HAS_SAVES=chunks.save_row is not None, BLOCK=block, num_warps=cfg["num_warps"],
     )
 
     if nc > 0:

@@ -77,11 +77,60 @@ def conv_token_blocks(query_start_loc_host: np.ndarray, block_t: int, device) ->
 
 
 @dataclass(frozen=True)
+class StateSaves:
+    """State checkpoints a prefill writes at positions inside its sequences (prefix caching):
+    entry k asks for the conv and SSM state of sequence seq[k] after its first offset[k] rows
+    of this step to be written into state row row[k] (a checkpoint row of the same state
+    tensors), as if the step had ended there; start[k] is that sequence's first token row in
+    the batch (query_start_loc[seq[k]]). Host tuples, sorted by (seq, offset), offsets
+    strictly inside their sequence (0 < offset < its length): a save at a sequence's end is
+    the final state, which the slot already gets."""
+
+    seq: tuple[int, ...] = ()
+    offset: tuple[int, ...] = ()
+    row: tuple[int, ...] = ()
+    start: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not len(self.seq) == len(self.offset) == len(self.row) == len(self.start):
+            raise ValueError("StateSaves needs one offset, row and start per entry")
+        if list(zip(self.seq, self.offset)) != sorted(set(zip(self.seq, self.offset))):
+            raise ValueError("StateSaves entries must be sorted by (seq, offset), without repeats")
+
+    def __len__(self) -> int:
+        return len(self.seq)
+
+    def shifted(self, first: int, first_row: int) -> StateSaves:
+        """The saves of sequences first, first + 1, ... renumbered from 0, their rows from
+        first_row (a context's prefill part)."""
+        keep = [k for k, i in enumerate(self.seq) if i >= first]
+        return StateSaves(tuple(self.seq[k] - first for k in keep), tuple(self.offset[k] for k in keep),
+                          tuple(self.row[k] for k in keep), tuple(self.start[k] - first_row for k in keep))
+
+    def check(self, query_start_loc_host: np.ndarray, min_offset: int = 1) -> None:
+        """Raise ValueError unless every save is inside its sequence, at least min_offset rows in
+        (the Triton conv takes a save's width - 1 inputs from this step's rows)."""
+        lens = np.diff(query_start_loc_host)
+        for i, o, s in zip(self.seq, self.offset, self.start):
+            if not (0 <= i < lens.size and min_offset <= o < lens[i]):
+                raise ValueError(f"state save at offset {o} of sequence {i}: must be in [{min_offset}, its "
+                                 f"{lens[i] if 0 <= i < lens.size else 'missing'} rows)")
+            if s != query_start_loc_host[i]:
+                raise ValueError(f"state save of sequence {i} says it starts at row {s}, the batch at "
+                                 f"{query_start_loc_host[i]}")
+
+
+NO_SAVES = StateSaves()
+
+
+@dataclass(frozen=True)
 class SsdChunks:
     """The SSD chunks of a packed batch of `batch` sequences. Chunks never straddle two
     sequences: sequence i owns chunks seq_chunk[i] : seq_chunk[i+1], and chunk c covers token
-    rows chunk_start[c] : chunk_end[c] (at most chunk_size rows; only a sequence's last chunk
-    may be shorter). An empty sequence owns no chunk."""
+    rows chunk_start[c] : chunk_end[c] (at most chunk_size rows; a sequence's chunks restart
+    at each of its state saves, so the chunk before a save and its last chunk may be
+    shorter). An empty sequence owns no chunk. save_row (num_chunks,) int32: the state row
+    the state at the chunk's start is written into, -1 for none; None when saves is empty."""
 
     chunk_size: int
     batch: int
@@ -90,18 +139,40 @@ class SsdChunks:
     chunk_start: torch.Tensor  # (num_chunks,) int32, token row
     chunk_end: torch.Tensor  # (num_chunks,) int32, token row (exclusive)
     seq_chunk: torch.Tensor  # (batch + 1,) int32
+    saves: StateSaves = NO_SAVES
+    save_row: torch.Tensor | None = None
 
 
-def ssd_chunks(query_start_loc_host: np.ndarray, chunk_size: int, device) -> SsdChunks:
-    """Chunk boundaries per sequence for the SSD scan. query_start_loc_host: checked offsets
-    (batch + 1,) int64; the chunk tensors go to `device` in one copy."""
+def ssd_chunks(query_start_loc_host: np.ndarray, chunk_size: int, device, saves: StateSaves = NO_SAVES) -> SsdChunks:
+    """SSD chunks of `chunk_size` rows for a packed batch. query_start_loc_host: checked offsets
+    (batch + 1,) int64; saves: the step's state saves (`StateSaves`, checked here), at each of
+    which the sequence's chunks restart. The chunk tensors go to `device` in one copy."""
     qsl = query_start_loc_host
     starts, ends = qsl[:-1], qsl[1:]
-    nchunks = -(-(ends - starts) // chunk_size)
-    first = np.concatenate([[0], np.cumsum(nchunks)])
-    seq = np.repeat(np.arange(starts.size), nchunks)
-    k = np.arange(seq.size) - first[:-1][seq]  # chunk index inside its sequence
-    c_start = starts[seq] + k * chunk_size
-    c_end = np.minimum(c_start + chunk_size, ends[seq])
-    c_start_t, c_end_t, seq_chunk = _to_device([c_start, c_end, first], device)
-    return SsdChunks(chunk_size, int(starts.size), int(seq.size), int(qsl[-1]), c_start_t, c_end_t, seq_chunk)
+    if not len(saves):
+        nchunks = -(-(ends - starts) // chunk_size)
+        first = np.concatenate([[0], np.cumsum(nchunks)])
+        seq = np.repeat(np.arange(starts.size), nchunks)
+        k = np.arange(seq.size) - first[:-1][seq]  # chunk index inside its sequence
+        c_start = starts[seq] + k * chunk_size
+        c_end = np.minimum(c_start + chunk_size, ends[seq])
+        c_start_t, c_end_t, seq_chunk = _to_device([c_start, c_end, first], device)
+        return SsdChunks(chunk_size, int(starts.size), int(seq.size), int(qsl[-1]), c_start_t, c_end_t, seq_chunk)
+    saves.check(qsl)
+    cuts: dict[int, list[tuple[int, int]]] = {}
+    for i, o, r in zip(saves.seq, saves.offset, saves.row):
+        cuts.setdefault(i, []).append((o, r))
+    c_start, c_end, rows, first = [], [], [], [0]
+    for i, (s, e) in enumerate(zip(starts.tolist(), ends.tolist())):
+        pieces = [(0, -1), *cuts.get(i, [])]  # (offset where a run of chunks starts, its save row)
+        for j, (o, r) in enumerate(pieces):
+            stop = s + pieces[j + 1][0] if j + 1 < len(pieces) else e
+            for c in range(s + o, stop, chunk_size):
+                c_start.append(c)
+                c_end.append(min(c + chunk_size, stop))
+                rows.append(r if c == s + o else -1)
+        first.append(len(c_start))
+    arrays = [np.asarray(a, dtype=np.int64) for a in (c_start, c_end, first, rows)]
+    c_start_t, c_end_t, seq_chunk, save_row = _to_device(arrays, device)
+    return SsdChunks(chunk_size, int(starts.size), len(c_start), int(qsl[-1]), c_start_t, c_end_t, seq_chunk,
+                     saves, save_row)

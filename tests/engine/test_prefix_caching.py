@@ -219,3 +219,22 @@ def test_default_granularity_long_repeat_and_a_300_token_system_prompt():
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     assert check(llm, name, [long], params) == [[0]] and check(llm, name, [long], params) == [[1792]]
     assert [check(llm, name, [system + toks(n)], params)[0][0] for n in (20, 45)] == [0, 256]
+
+
+@pytest.mark.parametrize("name", ["bamba", "jamba"])
+def test_checkpoints_inside_a_chunk_for_mamba2_layers_chunk_ends_for_mamba1(name):
+    """Mamba2 layers write a checkpoint inside the prefill chunk (one step for the prompt);
+    a model with Mamba-1 layers ends the chunk there instead. Both resume exactly."""
+    llm = make(name)
+    sched = llm.llm_engine.scheduler
+    inner = name != "jamba"
+    assert sched.min_inner_save_offset == (3 if inner else None)
+    steps = []
+    schedule = sched.schedule
+    sched.schedule = lambda: steps.append(schedule()) or steps[-1]
+    prompt = tokens_of(name, 7)(21)  # checkpoint at 16, the last boundary before the last token
+    check(llm, name, [prompt])
+    first = steps[0].scheduled[0]
+    assert first.num_new_tokens == (21 if inner else 16)
+    assert [o for o, _ in first.inner_saves] == ([16] if inner else [])
+    assert check(llm, name, [prompt + tokens_of(name, 8)(3)]) == [[16]]

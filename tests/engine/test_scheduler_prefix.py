@@ -17,11 +17,12 @@ from mambaserve.sampling_params import SamplingParams
 from tests.engine.scheduling import STOP_TOKEN, engine_update, expected_outputs
 
 
-def make(*, budget=64, num_slots=8, num_blocks=64, block_size=4, m=8, rows=8, chunked=True, max_num_seqs=8):
+def make(*, budget=64, num_slots=8, num_blocks=64, block_size=4, m=8, rows=8, chunked=True, max_num_seqs=8,
+         inner=None):
     pool = BlockPool(num_blocks, block_size, enable_caching=True) if num_blocks else None
     cache = PrefixCache(block_pool=pool, checkpoints=StateCheckpointPool(rows, num_slots), mamba_block_size=m)
     return Scheduler(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, slot_pool=StateSlotPool(num_slots),
-                     block_pool=pool, enable_chunked_prefill=chunked, prefix_cache=cache)
+                     block_pool=pool, enable_chunked_prefill=chunked, prefix_cache=cache, min_inner_save_offset=inner)
 
 
 def seq(rid, prompt, max_tokens=3, **kw):
@@ -55,6 +56,24 @@ def test_chunks_end_at_the_last_boundary_and_a_repeat_resumes_there():
     d = seq("d", prompt[:24])
     run_one(sched, d)
     assert d.num_cached_tokens == 0
+
+
+def test_checkpoints_saved_inside_a_chunk_where_the_layers_can():
+    """With layers that save inside a chunk, a prompt runs in one chunk, its checkpoint at the
+    last boundary written at that offset; a position too close to the chunk's start still ends it."""
+    sched = make(inner=3)
+    prompt = list(range(1, 27))  # last boundary 24
+    sched.add(seq("a", prompt))
+    (item,) = sched.schedule().scheduled
+    assert item.num_new_tokens == 26 and item.save_checkpoint is None and len(item.inner_saves) == 1
+    assert item.inner_saves[0][0] == 24
+    sched = make(inner=3, budget=22)  # first chunk [0, 22), the next starts 2 before the boundary at 24
+    sched.add(seq("b", prompt))
+    out = sched.schedule()
+    assert [i.num_new_tokens for i in out.scheduled] == [22]
+    engine_update(sched, out)
+    (item,) = sched.schedule().scheduled
+    assert item.num_new_tokens == 2 and item.inner_saves == () and item.save_checkpoint is not None
 
 
 def test_shared_system_prompt_hits_from_the_third_request():
@@ -119,13 +138,14 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("inner", [None, 3])  # chunks end at checkpoints / the layers save inside chunks
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("config", CONFIGS)
-def test_randomized_prefix_caching_simulation(config, seed):
+def test_randomized_prefix_caching_simulation(config, seed, inner):
     budget, max_num_seqs, num_slots, num_blocks, bs, m, rows, chunked = config
     rng = random.Random(seed * 100 + CONFIGS.index(config))
     sched = make(budget=budget, max_num_seqs=max_num_seqs, num_slots=num_slots, num_blocks=num_blocks, block_size=bs,
-                 m=m, rows=rows, chunked=chunked)
+                 m=m, rows=rows, chunked=chunked, inner=inner)
     prefixes = [[rng.randint(1, 49) for _ in range(40)] for _ in range(3)]
     slot_state: dict[int, list[int]] = {}  # the fake model's recurrent state: tokens folded in
     ckpt: dict[int, list[int]] = {}  # checkpoint row -> the state copied into it
@@ -184,6 +204,9 @@ def test_randomized_prefix_caching_simulation(config, seed):
         for item in out.scheduled:
             s, c, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             tokens = s.all_token_ids
+            for offset, row in item.inner_saves:  # written by the forward, at that offset
+                assert inner is not None and inner <= offset < n and (c + offset) % m == 0
+                ckpt[row] = slot_state[s.state_slot] + tokens[c : c + offset]
             slot_state[s.state_slot] += tokens[c : c + n]
             for pos in range(c, c + n) if num_blocks else ():
                 block = s.block_table[pos // bs]
