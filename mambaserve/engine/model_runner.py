@@ -195,8 +195,9 @@ class ModelRunner:
         ctx = ForwardContext.build(query_lens=[n], seq_lens=[n], state_indices=[0], has_initial_state=[False],
                                    block_tables=[list(range(-(-n // self.block_size)))] if self.has_attention else None,
                                    block_size=self.block_size, device=self.device,
-                                   mamba_caches=tiny.mamba, kv_caches=tiny.kv)
-        with torch.inference_mode():
+                                   mamba_caches=tiny.mamba, kv_caches=tiny.kv,
+                                   state_saves=[(0, n // 2, 0)] if n >= 8 and self.spec.min_inner_save_offset else None)
+        with torch.inference_mode():  # (a state save too: its kernels compile here, not in a request's step)
             ids = torch.randint(0, self.vocab_size, (n,), device=self.device)
             hidden = self.model(ids, torch.arange(n, device=self.device), ctx)
             self.model.compute_logits(hidden[-min(n, self.config.resolved_max_num_seqs()):])
