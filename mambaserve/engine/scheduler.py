@@ -40,8 +40,8 @@ checkpoint row (`inner_saves`: Mamba2 layers, when the position is at least
 layers, or a position right after the chunk's start) the chunk ends there and its step copies
 the slot into a checkpoint row (`save_checkpoint`), without chunked prefill too (the rest of
 the prompt is the next step's running prefill). Saving inside the chunk spares a prompt the
-extra step (a whole pass over the weights) that ending there costs. A sequence asking for prompt logprobs matches nothing
-(they need every prompt row's logits). Released blocks keep their hashes (cached).
+extra step (a whole pass over the weights) that ending there costs. A sequence asking for
+prompt logprobs matches nothing (they need every prompt row's logits). Released blocks keep their hashes (cached).
 
 Assumptions the engine guarantees: each sequence fits the KV pool on its own (so the oldest
 running sequence always makes progress and there is no livelock); without chunked prefill,
