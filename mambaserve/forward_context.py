@@ -24,6 +24,7 @@ import torch
 
 from mambaserve.ops import conv1d
 from mambaserve.ops.attention import AttentionPlan, plan_paged_attention
+from mambaserve.ops.common import to_device
 from mambaserve.ops.varlen import (
     NO_SAVES,
     SsdChunks,
@@ -189,7 +190,9 @@ class ForwardContext:
         offsets = [0]
         for q in query_lens:
             offsets.append(offsets[-1] + q)
-        i32 = dict(dtype=torch.int32)
+        # the int32 fields go in one host buffer and one copy (pinned: `ops.common.to_device`)
+        ints = [np.asarray(offsets), np.asarray(seq_lens), np.asarray(state_indices),
+                np.asarray(has_initial_state, dtype=np.int64)]
         block_table = slot_mapping = None
         if block_tables is not None:
             width = max((len(b) for b in block_tables), default=0) or 1
@@ -204,13 +207,18 @@ class ForwardContext:
             if pad_to is not None:
                 parts.append(np.full(pad_to - offsets[-1], -1, dtype=np.int64))
             slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-            block_table = torch.tensor(table, **i32).to(device, non_blocking=True)
-            slot_mapping = torch.from_numpy(slots).to(device, non_blocking=True)
+            ints.append(np.asarray(table, dtype=np.int64).reshape(-1))
+            slot_mapping = to_device(torch.from_numpy(slots), device)
+        flat = to_device(torch.from_numpy(np.concatenate(ints).astype(np.int32)), device)
+        qsl, lens, indices, has_init = flat[: n + 1], flat[n + 1 : 2 * n + 1], flat[2 * n + 1 : 3 * n + 1], \
+            flat[3 * n + 1 : 4 * n + 1]
+        if block_tables is not None:
+            block_table = flat[4 * n + 1 :].view(n, width)
         return cls(
-            query_start_loc=torch.tensor(offsets, **i32).to(device, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, **i32).to(device, non_blocking=True),
-            state_indices=torch.tensor(state_indices, **i32).to(device, non_blocking=True),
-            has_initial_state=torch.tensor(has_initial_state, dtype=torch.bool).to(device, non_blocking=True),
+            query_start_loc=qsl,
+            seq_lens=lens,
+            state_indices=indices,
+            has_initial_state=has_init.bool(),
             block_table=block_table,
             slot_mapping=slot_mapping,
             num_decodes=num_decodes,

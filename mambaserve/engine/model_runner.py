@@ -27,6 +27,7 @@ from mambaserve.engine.stats import MemoryUsage
 from mambaserve.engine.step_input import StepInput, share_step
 from mambaserve.forward_context import ForwardContext
 from mambaserve.loader import DTYPES, load_config, load_model
+from mambaserve.ops.common import to_device
 
 logger = logging.getLogger("mambaserve")
 
@@ -336,16 +337,12 @@ class ModelRunner:
         if not step.one_token_each and self.piecewise_graphs is not None:
             padded = self.piecewise_graphs.padded_size(len(step.positions))
         ctx = self._context(step, pad_to=padded)
-        pos = torch.tensor(step.positions, dtype=torch.int64).to(self.device, non_blocking=True)
-        if step.device_tokens is None:
-            input_ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        elif step.token_rows is None:
-            input_ids = tokens[: len(step.query_lens)]
+        if step.device_tokens is None:  # positions and ids in one copy
+            pos, input_ids = to_device(torch.tensor([step.positions, step.token_ids], dtype=torch.int64), self.device)
         else:
-            index = torch.tensor(step.token_rows, dtype=torch.int64)
-            if tokens.is_cuda:
-                index = index.pin_memory()  # a pageable copy would wait for the step in flight
-            input_ids = tokens[index.to(tokens.device, non_blocking=True)]
+            pos = to_device(torch.tensor(step.positions, dtype=torch.int64), self.device)
+            input_ids = tokens[: len(step.query_lens)] if step.token_rows is None else \
+                tokens[to_device(torch.tensor(step.token_rows, dtype=torch.int64), tokens.device)]
         if padded is not None:
             hidden = self.piecewise_graphs.run(input_ids, pos, ctx)
         else:

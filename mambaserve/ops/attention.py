@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from mambaserve.ops import reference
-from mambaserve.ops.common import check, next_power_of_2
+from mambaserve.ops.common import check, next_power_of_2, to_device
 from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.varlen import check_offsets
 
@@ -362,7 +362,7 @@ def plan_paged_attention(query_start_loc_host: np.ndarray, seq_lens_host: np.nda
             max_kv = items[0][0]
             num_splits = max(1, min(-(-2 * n_sm // programs), -(-max_kv // _MIN_TOKENS_PER_SPLIT), _MAX_SPLITS))
     flat = [x for _, i, t0 in items for x in (i, t0)]
-    work = torch.tensor(flat, dtype=torch.int32).reshape(-1, 2).to(device, non_blocking=True)
+    work = to_device(torch.tensor(flat, dtype=torch.int32).reshape(-1, 2), device)
     return AttentionPlan(work, block_r, tokens, int(num_splits), qsl[-1], max_q, batch, G, num_kv_heads,
                          block_size, max_blocks)
 

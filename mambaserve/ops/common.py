@@ -48,6 +48,17 @@ def check_batch(query_start_loc: torch.Tensor, state_indices: torch.Tensor,
     return batch
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor copied to `device` without the host waiting: a CUDA copy is made from pinned
+    memory (from pageable memory cudaMemcpyAsync waits for every kernel queued before it, which
+    serialises the host's launches with the GPU's work). The pinned staging block stays
+    reserved until the copy is done (PyTorch's caching host allocator records the stream)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1): Triton block sizes."""
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()

@@ -8,9 +8,8 @@ which checks them before calling the twin); here only the math.
 
 Conventions shared by all ops:
 - a packed batch holds sequence i in rows `query_start_loc[i]:query_start_loc[i+1]`;
-- `state_indices[i]` names the slot of the state pool that sequence i reads and writes;
-  -1 marks a padding entry: its output rows are computed as if it had no initial state, and
-  no slot is read or written for it.
+- `state_indices[i]` names the slot of the state pool that sequence i reads and writes; -1
+  marks a padding entry: its rows are computed from no initial state, and no slot is touched.
 
 This module knows nothing about models or the engine.
 """
@@ -152,10 +151,9 @@ def _expand_groups(t: torch.Tensor, nheads: int) -> torch.Tensor:
 
 
 def _save_points(state_saves, i: int, start: int, end: int) -> list[tuple[int, int]]:
-    """(end row, save row) of each piece sequence i's rows start:end split at its state saves,
-    the last piece's save row -1 (its final state goes to the slot)."""
-    cuts = [(start + o, r) for j, o, r in zip(state_saves.seq, state_saves.offset, state_saves.row) if j == i]
-    return [*cuts, (end, -1)]
+    """(end row, save row) of the pieces of sequence i's rows start:end cut at its state saves; the last: -1."""
+    return [*((start + o, r) for j, o, r in zip(state_saves.seq, state_saves.offset, state_saves.row) if j == i),
+            (end, -1)]
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D, z, dt_bias, ssm_states, query_start_loc, state_indices,

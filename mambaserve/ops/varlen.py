@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mambaserve.ops.common import to_device
+
 
 def check_offsets(offsets) -> np.ndarray:
     """offsets (batch + 1,) (a list or an int array) as a checked int64 numpy array. Raises
@@ -41,7 +43,7 @@ def read_offsets(query_start_loc: torch.Tensor) -> np.ndarray:
 def _to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
     """One host-to-device copy for several int32 arrays; returns views into it."""
     flat = np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, np.int32)
-    packed = torch.from_numpy(flat).to(device)
+    packed = to_device(torch.from_numpy(flat), device)
     out, pos = [], 0
     for a in arrays:
         out.append(packed[pos:pos + a.size])
