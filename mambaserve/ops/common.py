@@ -25,9 +25,17 @@ def check(cond: bool, msg) -> None:
         raise ValueError(msg() if callable(msg) else msg)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids (`triton.cdiv` is a constexpr function in recent Triton,
+    several microseconds a call from the host)."""
+    return -(-a // b)
+
+
 def check_positive_int(value, name: str) -> int:
     """value as a Python int (a numpy integer is not a Triton kernel argument). Raises
     ValueError unless it is a positive integer (bool excluded)."""
+    if type(value) is int and value > 0:  # the common case, without the ABC check's cost
+        return value
     check(isinstance(value, numbers.Integral) and not isinstance(value, bool) and value > 0,
           lambda: f"{name} must be a positive int, got {value!r}")
     return int(value)

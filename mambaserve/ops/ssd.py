@@ -35,6 +35,7 @@ import torch
 from mambaserve.ops import reference
 from mambaserve.ops.common import (
     TL_DTYPES,
+    cdiv,
     check,
     check_batch,
     check_positive_int,
@@ -438,7 +439,8 @@ def ssd_chunk_scan(
     check(x.dtype in TL_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if chunks is None:
         chunks = ssd_chunks(read_offsets(query_start_loc), chunk_size, dev, state_saves)
-    check(chunks.saves == state_saves, "the SSD chunks were planned for other state saves")
+    check(chunks.saves is state_saves or chunks.saves == state_saves,
+          "the SSD chunks were planned for other state saves")
     check((chunks.chunk_size, chunks.batch) == (chunk_size, batch),
           lambda: f"SSD chunks of {chunks.chunk_size} for {chunks.batch} sequences; the call has "
                   f"chunk_size {chunk_size} and {batch} sequences")
@@ -469,7 +471,7 @@ def ssd_chunk_scan(
     if nc > 0:
         cfg = CHUNK_STATE_CONFIG
         bk, bp, bn = _block(cfg["block_k"], chunk_size), _block(cfg["block_p"], headdim), _block(cfg["block_n"], dstate)
-        grid = (nc * nheads * triton.cdiv(headdim, bp) * triton.cdiv(dstate, bn),)
+        grid = (nc * nheads * cdiv(headdim, bp) * cdiv(dstate, bn),)
         _chunk_state_kernel[grid](
             x, dt, A, dt_bias if dt_bias is not None else A, B, chunks.chunk_start, chunks.chunk_end,
             dt_proc, cs, chunk_dA, states,
@@ -482,7 +484,7 @@ def ssd_chunk_scan(
         cfg = CB_CONFIG
         bm, bk = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size)
         bn = _block(cfg["block_n"], dstate)
-        grid = (nc * ngroups, triton.cdiv(chunk_size, bm), triton.cdiv(chunk_size, bk))
+        grid = (nc * ngroups, cdiv(chunk_size, bm), cdiv(chunk_size, bk))
         _chunk_cb_kernel[grid](
             C, B, chunks.chunk_start, chunks.chunk_end, cb,
             ngroups, dstate, chunk_size, *C.stride(), *B.stride(),
@@ -493,7 +495,7 @@ def ssd_chunk_scan(
     cfg = PASSING_CONFIG
     state_size = headdim * dstate
     block = min(cfg["block"], next_power_of_2(state_size))
-    grid = (triton.cdiv(state_size, block), nheads, batch)
+    grid = (cdiv(state_size, block), nheads, batch)
     _state_passing_kernel[grid](
         states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
         chunks.save_row if chunks.save_row is not None else chunks.seq_chunk,
@@ -505,9 +507,9 @@ def ssd_chunk_scan(
         cfg = SCAN_CONFIG
         bm, bp = _block(cfg["block_m"], chunk_size), _block(cfg["block_p"], headdim)
         bk = min(bm, _block(cfg["block_k"], chunk_size))  # k blocks must tile each row block
-        num_m_blocks = triton.cdiv(chunk_size, bm)
+        num_m_blocks = cdiv(chunk_size, bm)
         zz = z if z is not None else x
-        grid = (nc * num_m_blocks * nheads * triton.cdiv(headdim, bp),)
+        grid = (nc * num_m_blocks * nheads * cdiv(headdim, bp),)
         _chunk_scan_kernel[grid](
             x, zz, C, D if D is not None else A, cb, dt_proc, cs, state_in, y,
             chunks.chunk_start, chunks.chunk_end,
