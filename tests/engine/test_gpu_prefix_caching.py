@@ -44,8 +44,8 @@ def batches(name, off):
     yield [y, system + toks(2), x[:17] + toks(1), system + toks(7)]  # a mixed batch
 
 
-# bf16 only: a cached prefix is computed in other chunks (cut at its checkpoint) than the uncached
-# run's, so its rounding differs. On an H200 Zamba2's (a shared attention block fed the embeddings
+# bf16 only: a cached prefix is computed in other chunks (resumed at its checkpoint) than the
+# uncached run's, so its rounding differs. On an H200 Zamba2's (a shared attention block fed the embeddings
 # again at every use) reached 0.27 nats at step 20 of 48 (band 0.25) while its float32 run matched
 # to 1e-3: rounding, not a caching error, so it gets the wider band.
 BF16_WIDER = {"zamba2"}
