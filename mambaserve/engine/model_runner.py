@@ -312,16 +312,15 @@ class ModelRunner:
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state rows src -> dst of every Mamba layer's conv and SSM state, for (src, dst)
-        in pairs (prefix caching's checkpoints): one gather and one scatter per tensor."""
+        in pairs (prefix caching's checkpoints): one multi-tensor copy launch for all layers
+        (a step with a checkpoint load would otherwise launch two kernels per state tensor)."""
         if not pairs:
             return
-        index = torch.tensor(pairs, dtype=torch.int64).T  # (2, n): sources, destinations
-        if self.device.type == "cuda":
-            index = index.contiguous().pin_memory()  # a pageable copy would wait for the stream
-        src, dst = index.to(self.device, non_blocking=True)
-        for conv, ssm in self.caches.mamba:
-            conv.index_copy_(0, dst, conv.index_select(0, src))
-            ssm.index_copy_(0, dst, ssm.index_select(0, src))
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # the fused path takes one dtype a call
+        for t in (t for layer in self.caches.mamba for t in layer):
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for ts in by_dtype.values():
+            torch._foreach_copy_([t[d] for t in ts for _, d in pairs], [t[s] for t in ts for s, _ in pairs])
 
     def _forward(self, step: StepInput, tokens: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, list[torch.Tensor], str]:

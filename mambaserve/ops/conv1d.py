@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from mambaserve.ops import reference
-from mambaserve.ops.common import check, check_batch, next_power_of_2, to_device
+from mambaserve.ops.common import check, check_batch, next_power_of_2
 from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.varlen import NO_SAVES, StateSaves, TokenBlocks, conv_token_blocks, read_offsets
 
@@ -235,10 +235,8 @@ def save_conv_states(x: torch.Tensor, conv_states: torch.Tensor, state_saves: St
     check(all(o >= width - 1 for o in state_saves.offset),
           lambda: f"a state save needs the {width - 1} rows before it inside its sequence, got offsets "
                   f"{state_saves.offset}")
-    src = [s + o - (width - 1) + j for s, o in zip(state_saves.start, state_saves.offset) for j in range(width - 1)]
-    index = to_device(torch.tensor([*state_saves.row, *src], dtype=torch.int64), x.device)
-    rows, src_t = index[: len(state_saves)], index[len(state_saves):]
-    conv_states[rows] = x[src_t].view(len(state_saves), width - 1, x.shape[1]).to(conv_states.dtype)
+    rows, src = state_saves.conv_index(width, x.device)
+    conv_states[rows] = x[src].view(len(state_saves), width - 1, x.shape[1]).to(conv_states.dtype)
 
 
 def causal_conv1d_update(

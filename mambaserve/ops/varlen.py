@@ -13,7 +13,7 @@ This module knows nothing about models or the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -92,6 +92,8 @@ class StateSaves:
     offset: tuple[int, ...] = ()
     row: tuple[int, ...] = ()
     start: tuple[int, ...] = ()
+    # device index tensors built from these, by (use, device): the step's layers share them
+    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not len(self.seq) == len(self.offset) == len(self.row) == len(self.start):
@@ -108,6 +110,17 @@ class StateSaves:
         keep = [k for k, i in enumerate(self.seq) if i >= first]
         return StateSaves(tuple(self.seq[k] - first for k in keep), tuple(self.offset[k] for k in keep),
                           tuple(self.row[k] for k in keep), tuple(self.start[k] - first_row for k in keep))
+
+    def conv_index(self, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows (n,), sources (n * (width - 1),)) int64 on `device`: each save's state row and
+        the token rows of the width - 1 inputs before its position. Built once (one copy) and
+        kept, so that every conv layer of a step uses the same tensors."""
+        key = ("conv", width, str(device))
+        if key not in self._index:
+            src = [s + o - (width - 1) + j for s, o in zip(self.start, self.offset) for j in range(width - 1)]
+            flat = to_device(torch.tensor([*self.row, *src], dtype=torch.int64), device)
+            self._index[key] = (flat[: len(self)], flat[len(self):])
+        return self._index[key]
 
     def check(self, query_start_loc_host: np.ndarray, min_offset: int = 1) -> None:
         """Raise ValueError unless every save is inside its sequence, at least min_offset rows in
