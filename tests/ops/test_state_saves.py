@@ -21,6 +21,17 @@ def _saves(qsl_host):
     return varlen.StateSaves(*map(tuple, zip(*[(i, o, r, int(qsl_host[i])) for i, o, r in SAVES])))
 
 
+def _batch(states, device):
+    """The batch's offsets, slots, initial-state flags and saves, and a copy of the state
+    tensor with the save rows poisoned (each must be written before any read)."""
+    qsl, _ = packed(LENS, device)
+    ours = states.clone()
+    for _, _, row in SAVES:
+        ours[row] = float("nan")
+    return (qsl, torch.tensor(SLOTS, dtype=torch.int32, device=device), torch.tensor(HAS, device=device),
+            _saves(varlen.check_offsets(qsl.tolist())), ours)
+
+
 def _pieces():
     """(sequence, first row, last row (exclusive), row its final state goes to) of each cut call."""
     out, row = [], 0
@@ -42,13 +53,7 @@ def test_ssd_chunk_scan_saves_equal_cut_calls(device, backend):
                       torch.randn(T, H, P, device=device))
     A, D, dt_bias = -torch.rand(H, device=device) - 0.1, torch.randn(H, device=device), torch.randn(H, device=device)
     states = torch.randn(NUM_ROWS, H, P, N, device=device)
-    qsl, _ = packed(LENS, device)
-    idx = torch.tensor(SLOTS, dtype=torch.int32, device=device)
-    has = torch.tensor(HAS, device=device)
-    saves = _saves(varlen.check_offsets(qsl.tolist()))
-    ours = states.clone()
-    for _, _, row in SAVES:
-        ours[row] = float("nan")  # written before any read
+    qsl, idx, has, saves, ours = _batch(states, device)
     with ops.backend(backend):
         chunks = varlen.ssd_chunks(varlen.check_offsets(qsl.tolist()), Q, device, saves)
         y = ops.ssd_chunk_scan(x, dt, A, B, C, Q, D, z, dt_bias, ours, qsl, idx, has, chunks=chunks,
@@ -76,13 +81,7 @@ def test_causal_conv1d_saves_equal_cut_calls(device, backend, width):
     x = torch.randn(T, dim + 3, device=device)[:, 1:dim + 1]  # a column slice, as in the models
     w, bias = torch.randn(dim, width, device=device), torch.randn(dim, device=device)
     states = torch.randn(NUM_ROWS, width - 1, dim, device=device)
-    qsl, _ = packed(LENS, device)
-    idx = torch.tensor(SLOTS, dtype=torch.int32, device=device)
-    has = torch.tensor(HAS, device=device)
-    saves = _saves(varlen.check_offsets(qsl.tolist()))
-    ours = states.clone()
-    for _, _, row in SAVES:
-        ours[row] = float("nan")
+    qsl, idx, has, saves, ours = _batch(states, device)
     with ops.backend(backend):
         y = ops.causal_conv1d(x, w, bias, ours, qsl, idx, has, state_saves=saves)
         cut, y_cut = states.clone(), torch.full_like(y, float("nan"))
