@@ -459,14 +459,23 @@ def ssd_chunk_scan(
     if batch == 0:
         return y
 
-    dt_proc = torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev)  # dt'
-    cs = torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev)  # in-chunk cumsum of dt' A
-    chunk_dA = torch.empty((nc, nheads), dtype=torch.float32, device=dev)  # chunk total of dt' A
-    states_dtype = torch.float32 if CHUNK_STATES_FP32 else x.dtype
-    states = torch.empty((nc, nheads, headdim, dstate), dtype=states_dtype, device=dev)
-    state_in = torch.empty((nc, nheads, headdim, dstate), dtype=x.dtype, device=dev)
-    cb_dtype = torch.float32 if CB_FP32 else x.dtype
-    cb = torch.empty((nc, ngroups, chunk_size, chunk_size), dtype=cb_dtype, device=dev)
+    # The intermediates live in the plan: every layer of a step with these shapes reuses them
+    # (the kernels of one call finish before the next call's, in stream order), which spares
+    # each layer six allocations on the host.
+    key = (num_tokens, nheads, headdim, dstate, ngroups, x.dtype, dev)
+    work = chunks.workspace.get(key)
+    if work is None:
+        states_dtype = torch.float32 if CHUNK_STATES_FP32 else x.dtype
+        cb_dtype = torch.float32 if CB_FP32 else x.dtype
+        work = chunks.workspace[key] = (
+            torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev),  # dt'
+            torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev),  # in-chunk cumsum of dt' A
+            torch.empty((nc, nheads), dtype=torch.float32, device=dev),  # chunk total of dt' A
+            torch.empty((nc, nheads, headdim, dstate), dtype=states_dtype, device=dev),  # chunk states
+            torch.empty((nc, nheads, headdim, dstate), dtype=x.dtype, device=dev),  # state entering each chunk
+            torch.empty((nc, ngroups, chunk_size, chunk_size), dtype=cb_dtype, device=dev),  # C B^T per chunk
+        )
+    dt_proc, cs, chunk_dA, states, state_in, cb = work
 
     if nc > 0:
         cfg = CHUNK_STATE_CONFIG

@@ -156,6 +156,8 @@ class SsdChunks:
     seq_chunk: torch.Tensor  # (batch + 1,) int32
     saves: StateSaves = NO_SAVES
     save_row: torch.Tensor | None = None
+    # the scan's intermediates by shape, shared by the layers of the step (`ops.ssd_chunk_scan`)
+    workspace: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 def ssd_chunks(query_start_loc_host: np.ndarray, chunk_size: int, device, saves: StateSaves = NO_SAVES) -> SsdChunks:

@@ -154,6 +154,28 @@ def test_ssd_chunk_scan_split_prompt_continues(device):
     assert rel_err(torch.cat([y1, y2]), y) < tolerance(torch.float32)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_ssd_chunk_scan_layers_sharing_a_plan(device):
+    """Two layers' calls with one plan (the step's, whose intermediates they share) each give
+    what a call with a plan of its own gives."""
+    H, P, N, Q, lens = 2, 16, 16, 8, [1, 13, 9]
+    qsl, T = packed(lens, device)
+    idx = torch.tensor([0, 2, 1], dtype=torch.int32, device=device)
+    has = torch.tensor([True, False, True], device=device)
+    plan = varlen.ssd_chunks(varlen.check_offsets(qsl.tolist()), Q, device)
+    with ops.backend("triton"):
+        for layer in range(2):
+            x, dt, B, C, z = _inputs(T, H, P, 1, N, torch.float32, device)
+            A = -torch.rand(H, device=device) - 0.1
+            states = torch.randn(3, H, P, N, device=device)
+            shared, own = states.clone(), states.clone()
+            y = ops.ssd_chunk_scan(x, dt, A, B, C, Q, None, z, None, shared, qsl, idx, has, chunks=plan)
+            alone = ops.ssd_chunk_scan(x, dt, A, B, C, Q, None, z, None, own, qsl, idx, has,
+                                       chunks=varlen.ssd_chunks(varlen.check_offsets(qsl.tolist()), Q, device))
+            assert torch.equal(y, alone) and torch.equal(shared, own), f"layer {layer}"
+    assert len(plan.workspace) == 1
+
+
 # --- sizes too large for the interpreter -------------------------------------------------
 
 
