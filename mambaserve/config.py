@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 COMPILATION_MODES = ("eager", "piecewise", "full_and_piecewise")
+# vLLM's names: "fp8" quantizes a checkpoint's weights at load, "compressed-tensors" reads a
+# checkpoint quantized in that format (also detected from its quantization_config when unset)
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 # state-checkpoint granularity when mamba_block_size is unset: the SSD chunk size of the
 # Granite 4.0-H / Bamba / Nemotron-H checkpoints (rounded up to a multiple of block_size)
@@ -93,6 +97,15 @@ class EngineConfig:
     per-token work; a sequence that stops on a token costs one dropped step.
     compilation_mode: "eager", "piecewise" or "full_and_piecewise" (GPU default);
     enforce_eager=True forces "eager". cuda_graph_sizes: decode batch sizes to capture.
+    quantization: None (the checkpoint's own quantization_config when it has one, else none),
+    "fp8" (vLLM's online FP8: every linear layer's weights quantized to float8_e4m3fn per output
+    channel at load, activations per token at run time; lm_head, embeddings, norms, routers and
+    the Mamba conv/scan stay in the model dtype) or "compressed-tensors" (an FP8 checkpoint of
+    that format: which layers are quantized and how follows its quantization_config; ValueError
+    when the checkpoint has none). kv_cache_dtype: "auto" (the model dtype) or "fp8" /
+    "fp8_e4m3" (attention keys and values stored as float8_e4m3fn with a per-tensor scale, 1.0
+    or the checkpoint's k_scale / v_scale: half the bytes per KV block; the Mamba states are
+    not affected, see mamba_ssm_cache_dtype).
     max_queue_len: most waiting sequences (a request with n=4 counts 4): add_request refuses one
     that would pass it (QueueFullError), or whose n alone does (ValueError); None: unbounded.
 
@@ -105,8 +118,7 @@ class EngineConfig:
     as `CacheConfig` (`cache_config`) describes them.
 
     vLLM options taken so that a vLLM call or command line moves over unchanged, at the values
-    this engine implements (other values raise ValueError saying so): kv_cache_dtype "auto"
-    (the model dtype), quantization None, tokenizer_mode "auto" or
+    this engine implements (other values raise ValueError saying so): tokenizer_mode "auto" or
     "slow" (the slow Python tokenizer), pipeline_parallel_size and data_parallel_size 1;
     trust_remote_code is passed to the tokenizer's loading. swap_space (GiB of CPU swap for
     preempted KV blocks) is accepted and has no effect: preempted requests are recomputed.
@@ -205,9 +217,11 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be None or one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         unsupported = {
-            "kv_cache_dtype": (self.kv_cache_dtype != "auto", "the KV cache is kept in the model dtype"),
-            "quantization": (self.quantization is not None, "quantized checkpoints are not supported yet"),
             "tokenizer_mode": (self.tokenizer_mode not in ("auto", "slow"),
                                "only 'auto' (transformers' fast tokenizer) and 'slow' are implemented"),
             "pipeline_parallel_size": (self.pipeline_parallel_size != 1,

@@ -22,8 +22,10 @@ def test_vllm_options_at_their_supported_values_are_accepted():
 
 @pytest.mark.parametrize("kwargs,reason", [
     (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
-    (dict(kv_cache_dtype="fp8"), "model dtype"),
-    (dict(quantization="awq"), "quantized"),
+    (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be one of"),
+    (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype must be one of"),
+    (dict(quantization="awq"), "quantization must be None or one of"),
+    (dict(quantization="FP8"), "quantization must be None or one of"),
     (dict(enable_prefix_caching="yes"), "enable_prefix_caching"),
     (dict(mamba_block_size=0), "mamba_block_size"),
     (dict(num_state_checkpoints=-1), "num_state_checkpoints"),
@@ -37,6 +39,23 @@ def test_vllm_options_at_their_supported_values_are_accepted():
 def test_unsupported_or_bad_values_say_why(kwargs, reason):
     with pytest.raises(ValueError, match=reason):
         EngineConfig(**kwargs)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "compressed-tensors"])
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8_e4m3"])
+def test_quantization_and_kv_cache_dtype_values_are_accepted(quantization, kv):
+    c = EngineConfig(quantization=quantization, kv_cache_dtype=kv)
+    assert (c.quantization, c.kv_cache_dtype) == (quantization, kv)
+
+
+def test_quantization_flags_parse_and_bad_ones_are_refused(capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    c = engine_config_from_args(parser.parse_args(["-q", "fp8", "--kv-cache-dtype", "fp8"]))
+    assert (c.quantization, c.kv_cache_dtype) == ("fp8", "fp8")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "awq"])
+    assert "invalid choice" in capsys.readouterr().err
 
 
 def test_cache_config_follows_the_engine_fields_and_checks_mamba_block_size():

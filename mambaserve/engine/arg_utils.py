@@ -63,8 +63,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM command lines and has no effect: preempted requests are recomputed, "
                         "never swapped to CPU memory")
     g.add_argument("--trust-remote-code", action="store_true", help="passed to the tokenizer's loading")
-    g.add_argument("--kv-cache-dtype", default="auto", help="auto only: the model dtype")
-    g.add_argument("--quantization", "-q", default=None, help="none supported yet")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="auto: the model dtype; fp8 / fp8_e4m3: attention KV stored as float8_e4m3fn (half the bytes)")
+    g.add_argument("--quantization", "-q", default=None, choices=["fp8", "compressed-tensors"],
+                   help="fp8: weights quantized to FP8 at load; compressed-tensors: an FP8 checkpoint of that format "
+                        "(default: the checkpoint's quantization_config, else none)")
     # prefix caching (vLLM's flag; the state-checkpoint flags are ours: a hybrid model needs them)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks and Mamba state checkpoints of prompt prefixes seen before (default on)")

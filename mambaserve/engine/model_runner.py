@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -107,12 +107,16 @@ class ModelRunner:
         check_max_model_len(config.max_model_len, load_config(config.model))
         t0 = time.perf_counter()
         self._allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        kv_fp8 = config.kv_cache_dtype in ("fp8", "fp8_e4m3")
         self.model = load_model(config.model, dtype=config.dtype, device=self.device,
-                                load_format=config.load_format, seed=config.seed, group=group)
+                                load_format=config.load_format, seed=config.seed, group=group,
+                                quantization=config.quantization, kv_scales=kv_fp8)
         host_barrier(group)  # every rank holds its shard (a rank that died loading fails the others here)
         self.dtype = self.model.lm_head.weight.dtype
         ssm_name = config.mamba_ssm_cache_dtype  # "auto": the family's default (Nemotron-H: float32) or the model's
         dtypes = self.model.cache_dtypes(None if ssm_name == "auto" else DTYPES[ssm_name])
+        if kv_fp8:  # keys and values in float8_e4m3fn, per-tensor scales: one byte per element
+            dtypes = replace(dtypes, kv=torch.float8_e4m3fn)
         self.ssm_dtype = dtypes.ssm
         self.spec = self.model.cache_spec(dtypes)
         self.has_attention = self.spec.has_attention

@@ -14,6 +14,10 @@ Tensor parallelism (built inside `distributed.building_with`) splits the query h
 KV heads with them (`kv_head_range`: replicated when the ranks outnumber them); q/k/v are
 column-parallel, o_proj row-parallel (one all-reduce). num_heads and num_kv_heads are the
 rank's, and so is its KV cache spec.
+
+An FP8 KV cache (float8_e4m3fn cache tensors) stores keys and values divided by per-tensor
+scales: the layer's `k_scale` / `v_scale` parameters (the checkpoint's, compressed-tensors'
+kv_cache_scheme) when the loader gave it them (`add_kv_scales`), else 1.0.
 """
 
 from __future__ import annotations
@@ -96,6 +100,26 @@ class Attention(nn.Module):
             self.linear_k_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, kv_out, kv_rows)
             self.linear_v_adapter_list = lora_adapters(self.cache_indices, d_in, lora_rank, kv_out, kv_rows)
 
+    def add_kv_scales(self) -> None:
+        """Give the layer k_scale and v_scale parameters (1,) float32, 1.0 until loaded."""
+        self.k_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones(1), requires_grad=False)
+
+    def init_buffers(self) -> None:
+        if hasattr(self, "k_scale"):
+            self.k_scale.data.fill_(1.0)
+            self.v_scale.data.fill_(1.0)
+
+    def kv_scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) as host floats, read once (constant after loading; the first
+        forward is an eager one, never inside a CUDA graph capture)."""
+        if not hasattr(self, "k_scale"):
+            return 1.0, 1.0
+        version = (self.k_scale._version, self.v_scale._version)
+        if getattr(self, "_kv_scale_cache", (None,))[0] != version:
+            self._kv_scale_cache = (version, (float(self.k_scale), float(self.v_scale)))
+        return self._kv_scale_cache[1]
+
     @property
     def cache_index(self) -> int:
         """The KV cache index of a layer that has one."""
@@ -132,7 +156,8 @@ class Attention(nn.Module):
         """Write this step's K/V into the paged cache, then attend. q: (T, num_heads, head_dim),
         k, v: (T, num_kv_heads, head_dim). Returns (T, num_heads, head_dim)."""
         k_cache, v_cache = ctx.kv_caches[self.cache_index if cache_index is None else cache_index]
-        ops.reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping)
+        k_scale, v_scale = self.kv_scales() if k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, ctx.slot_mapping, k_scale, v_scale)
         plan = ctx.attention_plan(self.num_heads // self.num_kv_heads, self.num_kv_heads, k_cache.shape[1])
         return ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_start_loc,
-                                   self.scale, plan=plan)
+                                   self.scale, plan=plan, k_scale=k_scale, v_scale=v_scale)

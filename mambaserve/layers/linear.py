@@ -105,7 +105,25 @@ def shards_of(model: nn.Module) -> dict[str, Shard]:
             for mod_name, mod in model.named_modules() for p, shard in getattr(mod, "tp_shards", {}).items()}
 
 
-class ColumnParallelLinear(nn.Linear):
+class LinearBase(nn.Linear):
+    """An nn.Linear whose product goes through `quant_method` when one is set (an FP8 weight:
+    `layers.quantization`), else F.linear. supports_fp8=False marks an instance whose weight
+    another op reads as it is (it then stays in the model dtype)."""
+
+    quant_method = None
+    supports_fp8 = True
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias): this layer's product with a bias of the caller's choice."""
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W_r^T (+ b_r): the rows `ranges` of the full (output_size, input_size) weight
     (default: the rank's even share). x: (T, input_size) -> (T, local rows), split like the
     weight; no collective."""
@@ -121,7 +139,7 @@ class ColumnParallelLinear(nn.Linear):
             set_shard(self, "bias", Shard(0, output_size, tuple(ranges)), group)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(LinearBase):
     """y = sum over ranks of x_r W_r^T, + b: the columns `ranges` of the full (output_size,
     input_size) weight (default: the rank's even share); the bias is whole and added once (by
     rank 0 before the sum). x: (T, local columns) -> (T, output_size). reduce_results=False
@@ -140,24 +158,24 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.tp_group
         if group.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight, self.bias if group.is_driver else None)
+            return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias if group.is_driver else None)
         return all_reduce(y, group) if self.reduce_results else y
 
 
-def linear_of_partial(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def linear_of_partial(linear: LinearBase, x: torch.Tensor) -> torch.Tensor:
     """A whole (replicated, from `replicated_linear`) linear applied to a rank's partial sum x: its partial share of
     linear(sum of x), the bias added by rank 0 only (the MoE latent projection after experts
     whose outputs are partial)."""
     group = linear.tp_group
     if group.world_size == 1 or linear.bias is None or group.is_driver:
         return linear(x)
-    return F.linear(x, linear.weight)
+    return linear.matmul(x, None)
 
 
-def replicated_linear(input_size: int, output_size: int, bias: bool = False) -> nn.Linear:
-    """A linear whole on every rank (routers, small projections), which knows its group."""
-    layer = nn.Linear(input_size, output_size, bias=bias)
+def replicated_linear(input_size: int, output_size: int, bias: bool = False) -> LinearBase:
+    """A linear whole on every rank (small projections), which knows its group."""
+    layer = LinearBase(input_size, output_size, bias=bias)
     layer.tp_group = current_group()
     return layer
 

@@ -79,6 +79,7 @@ class MambaMixer(nn.Module):
         self.conv1d = _Conv1dWeights(d1 - d0, conv_kernel, use_conv_bias, full_dim=D, ranges=[(d0, d1)], group=tp)
         self.x_proj = RowParallelLinear(D, time_step_rank + 2 * d_state, bias=False)
         self.dt_proj = ColumnParallelLinear(time_step_rank, D, bias=True)
+        self.dt_proj.supports_fp8 = False  # its weight feeds F.linear beside the scan as it is
         self.A_log = nn.Parameter(torch.empty(d1 - d0, d_state))
         self.D = nn.Parameter(torch.empty(d1 - d0))
         for name in ("A_log", "D"):

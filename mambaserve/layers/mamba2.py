@@ -45,7 +45,8 @@ def project_out(out_proj: RowParallelLinear, y: torch.Tensor, partials: bool) ->
     bias) the product runs as one split-K launch whose reduction the norm kernel does. Under
     tensor parallelism the product is all-reduced first (partials then (1, T, hidden))."""
     if partials:
-        if out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens() and out_proj.tp_group.world_size == 1:
+        if out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens() and out_proj.tp_group.world_size == 1 \
+                and out_proj.quant_method is None:  # an FP8 weight takes its own product
             return ops.linear_partials(y, out_proj.weight)
         return out_proj(y)[None]
     return out_proj(y)

@@ -43,7 +43,10 @@ class _Router(nn.Module):
 
 
 class _ExpertWeights(nn.Module):
-    """Holds one stacked (num_experts, out, in) weight under the checkpoint's `.weight` name."""
+    """Holds one stacked (num_experts, out, in) weight under the checkpoint's `.weight` name
+    (FP8: with `weight_scale`, `layers.quantization`)."""
+
+    expert_weights = True  # one linear per expert: a "Linear" target of a quantization config
 
     def __init__(self, *shape: int):
         super().__init__()
@@ -88,8 +91,15 @@ class GraniteMoE(nn.Module):
         inter = two_i // 2
         s_in, s_out = shared.input_linear.weight, shared.output_linear.weight
         S = s_in.shape[0] // 2
-        if S == 0 or S % inter or s_in.shape[1] != H or s_out.shape != (H, S) or s_in.dtype != w1.dtype:
+        if S == 0 or S % inter or s_in.shape[1] != H or s_out.shape != (H, S) or s_in.dtype != w1.dtype \
+                or s_out.dtype != w2.dtype:
             return False
+        fp8 = getattr(self.input_linear, "fp8_scheme", None) is not None
+        if fp8:  # per-row scales (widened after loading) go with their rows
+            sc1, sc2 = self.input_linear.weight_scale, self.output_linear.weight_scale  # (E, 2I), (E, H)
+            sh1, sh2 = shared.input_linear.weight_scale, shared.output_linear.weight_scale  # (2S,), (H,)
+            sc1_all = torch.cat([sc1, torch.cat([sh1[:S].view(-1, inter), sh1[S:].view(-1, inter)], 1)])
+            sc2_all = torch.cat([sc2, sh2.expand(S // inter, H)])
         n = S // inter
         w1_all = torch.empty(E + n, two_i, H, dtype=w1.dtype, device=w1.device)
         w2_all = torch.empty(E + n, H, inter, dtype=w2.dtype, device=w2.device)
@@ -101,6 +111,9 @@ class GraniteMoE(nn.Module):
             w2_all[E + j] = s_out[:, rows]
         self.input_linear.weight = nn.Parameter(w1_all, requires_grad=False)
         self.output_linear.weight = nn.Parameter(w2_all, requires_grad=False)
+        if fp8:
+            self.input_linear.weight_scale = nn.Parameter(sc1_all.contiguous(), requires_grad=False)
+            self.output_linear.weight_scale = nn.Parameter(sc2_all.contiguous(), requires_grad=False)
         self.num_shared = n
         return True
 
@@ -112,11 +125,14 @@ class GraniteMoE(nn.Module):
         all-reduce of the output (which is then (T, hidden))."""
         # (T, top_k + num_shared) each: the absorbed shared expert's slices are always on
         top_weights, top_ids = ops.router_topk(x, self.router.layer.weight, self.top_k, x.dtype, self.num_shared)
+        scales = dict(w1_scale=getattr(self.input_linear, "weight_scale", None),
+                      w2_scale=getattr(self.output_linear, "weight_scale", None))
         if self.tp_group.world_size > 1:
-            out = ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids, add)
+            out = ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids, add,
+                                **scales)
             return all_reduce(out, self.tp_group)
         return ops.fused_moe(x, self.input_linear.weight, self.output_linear.weight, top_weights, top_ids, add,
-                             as_partials=partials)
+                             as_partials=partials, **scales)
 
 
 class SigmoidGroupRouter(nn.Module):
@@ -248,12 +264,18 @@ class _GatedExpert(nn.Module):
 
 class _StackedExperts(nn.Module):
     """The fused layout (transformers' in-memory names): gate_up_proj (E, 2I, H) = [gate; up]
-    per expert, down_proj (E, H, I)."""
+    per expert, down_proj (E, H, I); FP8 weights with per-row float32 scales gate_up_proj_scale
+    (E, 2I) and down_proj_scale (E, H), else None."""
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                 gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
         self.down_proj = nn.Parameter(down_proj, requires_grad=False)
+        self.gate_up_proj_scale = self.down_proj_scale = None
+        if gate_up_scale is not None:
+            self.gate_up_proj_scale = nn.Parameter(gate_up_scale, requires_grad=False)
+            self.down_proj_scale = nn.Parameter(down_scale, requires_grad=False)
 
 
 class SparseMoeBlock(nn.Module):
@@ -287,7 +309,11 @@ class SparseMoeBlock(nn.Module):
         w2 = torch.empty(E, hidden, inter, dtype=w.dtype, device=w.device)
         for e, ex in enumerate(self.experts):
             w1[e, :inter], w1[e, inter:], w2[e] = ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight
-        self.experts = _StackedExperts(w1, w2)
+        s1 = s2 = None
+        if getattr(first.gate_proj, "fp8_scheme", None) is not None:  # per-row scales, widened after loading
+            s1 = torch.stack([torch.cat([ex.gate_proj.weight_scale, ex.up_proj.weight_scale]) for ex in self.experts])
+            s2 = torch.stack([ex.down_proj.weight_scale for ex in self.experts])
+        self.experts = _StackedExperts(w1, w2, s1, s2)
 
     def forward(self, x: torch.Tensor, partials: bool = False) -> torch.Tensor:
         """x: (T, hidden) -> (T, hidden); partials=True returns (num_parts, T, hidden) terms
@@ -295,8 +321,9 @@ class SparseMoeBlock(nn.Module):
         parallelism the output is all-reduced, (T, hidden)."""
         assert isinstance(self.experts, _StackedExperts), "stack_experts() runs once the weights are loaded"
         weights, ids = self.router(x)
+        ex = self.experts
+        scales = dict(w1_scale=ex.gate_up_proj_scale, w2_scale=ex.down_proj_scale)
         if self.tp_group.world_size > 1:
-            out = ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+            out = ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, **scales)
             return all_reduce(out, self.tp_group)
-        return ops.fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids,
-                             as_partials=partials)
+        return ops.fused_moe(x, ex.gate_up_proj, ex.down_proj, weights, ids, as_partials=partials, **scales)

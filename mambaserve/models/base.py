@@ -86,6 +86,8 @@ class HybridForCausalLM(nn.Module):
         hi = math.log(float(getattr(self.config, "time_step_max", 1e-1)))
         for name, p in self.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
+            if p.dtype == torch.float8_e4m3fn or leaf in ("weight_scale", "input_scale", "k_scale", "v_scale"):
+                continue  # FP8 weights and their scales: the loader's init_dummy_fp8; KV scales stay 1
             if leaf == "A_log":  # (nheads,) in Mamba2, (d_inner, d_state) in Mamba-1: 1..last dim per row
                 p.copy_(torch.log(torch.arange(1, p.shape[-1] + 1, dtype=torch.float32)).expand_as(p))
             elif leaf == "D":

@@ -89,8 +89,11 @@ def _scale_rows(linear: nn.Linear, rows: torch.Tensor | float, bias_rows: torch.
     """linear.weight[r, :] *= rows[r]; linear.bias[r] *= bias_rows[r] (default: rows), in float32
     and rounded once to the parameter dtype. rows: (out_features,) or a scalar."""
     rows = torch.as_tensor(rows, dtype=torch.float32, device=linear.weight.device)
-    w = linear.weight
-    w.copy_((w.float() * (rows[:, None] if rows.dim() else rows)).to(w.dtype))
+    if getattr(linear, "fp8_scheme", None) is not None:  # FP8: its per-row scales (float32) take the factor
+        linear.weight_scale.mul_(rows)
+    else:
+        w = linear.weight
+        w.copy_((w.float() * (rows[:, None] if rows.dim() else rows)).to(w.dtype))
     if linear.bias is not None:
         b = linear.bias
         scale = rows if bias_rows is None else torch.as_tensor(bias_rows, dtype=torch.float32, device=b.device)

@@ -21,6 +21,7 @@ from mambaserve.ops.activation import silu_and_mul
 from mambaserve.ops.attention import AttentionPlan, paged_attention, plan_paged_attention, reshape_and_cache
 from mambaserve.ops.conv1d import causal_conv1d, causal_conv1d_update
 from mambaserve.ops.dispatch import backend, current_backend
+from mambaserve.ops.fp8 import dequantize_fp8, fp8_linear, quantize_fp8
 from mambaserve.ops.gemv import gemv_max_tokens, linear_partials
 from mambaserve.ops.layernorm_gated import fused_add_rms_norm, rms_norm_gated
 from mambaserve.ops.mamba1_scan import selective_scan, selective_scan_update
@@ -47,6 +48,9 @@ __all__ = [
     "rms_norm_gated",
     "fused_add_rms_norm",
     "linear_partials",
+    "fp8_linear",
+    "quantize_fp8",
+    "dequantize_fp8",
     "gemv_max_tokens",
     "silu_and_mul",
     "fused_moe",

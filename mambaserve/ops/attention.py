@@ -20,6 +20,12 @@ flash-decoding for the split over the context):
   longest context first so that the causal tail of a long prefill does not run alone at the
   end.
 
+An FP8 KV cache (float8_e4m3fn caches, vLLM's kv_cache_dtype="fp8") holds k / k_scale and
+v / v_scale with one float32 scale per tensor (host floats: constant once loaded, so they
+are kernel arguments and CUDA graphs may keep them): `reshape_and_cache` divides, clamps to
++-448 and rounds; `paged_attention` widens each K/V tile to q's dtype (exact), folds k_scale
+into the softmax scale and multiplies the output by v_scale.
+
 This module knows nothing about models or the engine; the math is `reference.paged_attention`
 and `reference.reshape_and_cache`.
 """
@@ -57,8 +63,8 @@ def _reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     num_kv_heads, head_dim,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
-    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, k_scale, v_scale,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -75,6 +81,9 @@ def _reshape_and_cache_kernel(
     dst_v = page * stride_vcb + in_page * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :]
     k = tl.load(k_ptr + src_k, mask=mask)
     v = tl.load(v_ptr + src_v, mask=mask)
+    if FP8:
+        k = tl.clamp(k.to(tl.float32) / k_scale, -448.0, 448.0)
+        v = tl.clamp(v.to(tl.float32) / v_scale, -448.0, 448.0)
     tl.store(k_cache_ptr + dst_k, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst_v, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -85,9 +94,13 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write this step's keys and values into the paged KV cache by slot (the attention layers
     of every hybrid family); slot -1 (padding) is skipped, leaving the cache bit-identical.
+    float8_e4m3fn caches store k / k_scale and v / v_scale clamped to +-448 (module docstring);
+    other caches ignore the scales.
 
     k, v: (num_tokens, num_kv_heads, head_dim), any float dtype (a slice of a fused qkv
     projection is fine); k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim),
@@ -101,8 +114,9 @@ def reshape_and_cache(
           lambda: f"caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}), got {tuple(k_cache.shape)}")
     check(slot_mapping.shape == (k.shape[0],),
           lambda: f"slot_mapping must be ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
+    check(k_scale > 0 and v_scale > 0, lambda: f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
     if not use_triton(k):
-        return reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        return reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check(k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "k_cache and v_cache must have stride 1 along head_dim")
     if k.shape[0] == 0:
         return
@@ -116,9 +130,10 @@ def reshape_and_cache(
         num_kv_heads, head_dim,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), float(k_scale), float(v_scale),
         PAGE=k_cache.shape[1],
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
     )
 
 
@@ -133,9 +148,10 @@ def _attend_kv_tile(
     stride_kb, stride_ks, stride_vb, stride_vs,
     offs_d, d_mask, qk_scale,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
-    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr, P_DTYPE: tl.constexpr,
 ):
-    """One online-softmax step over keys start .. start + BLOCK_N (scores in log2 units)."""
+    """One online-softmax step over keys start .. start + BLOCK_N (scores in log2 units). K/V
+    tiles are widened to q's dtype (FP8 caches: exact; a no-op otherwise)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     n_mask = offs_n < hi
     if MASKED:
@@ -151,6 +167,7 @@ def _attend_kv_tile(
         k = tl.load(k_ptrs)
     else:
         k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+    k = k.to(q.dtype)
     if DOT_F32:
         k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (BLOCK_R, BLOCK_N) fp32
@@ -167,7 +184,8 @@ def _attend_kv_tile(
         v = tl.load(v_ptrs)
     else:
         v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
-    p = p.to(v_cache_ptr.dtype.element_ty)
+    v = v.to(q.dtype)
+    p = p.to(P_DTYPE)  # q's own dtype, as the GPU's matrix product takes it
     if DOT_F32:
         p = p.to(tl.float32)
         v = v.to(tl.float32)
@@ -181,7 +199,7 @@ def _attend_kv_tile(
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, work_ptr,
-    qk_scale, head_dim, num_splits,
+    qk_scale, head_dim, num_splits, v_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_bt,
@@ -236,15 +254,16 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, q_pos, start, hi, k_cache_ptr, v_cache_ptr, bt_row_ptr,
             k_head_off, v_head_off, stride_kb, stride_ks, stride_vb, stride_vs,
-            offs_d, d_mask, qk_scale, PAGE, BLOCK_N, False, EVEN_D, DOT_PREC, DOT_F32)
+            offs_d, d_mask, qk_scale, PAGE, BLOCK_N, False, EVEN_D, DOT_PREC, DOT_F32, q_ptr.dtype.element_ty)
     for start in range(mid, hi, BLOCK_N):
         acc, m_i, l_i = _attend_kv_tile(
             q, acc, m_i, l_i, q_pos, start, hi, k_cache_ptr, v_cache_ptr, bt_row_ptr,
             k_head_off, v_head_off, stride_kb, stride_ks, stride_vb, stride_vs,
-            offs_d, d_mask, qk_scale, PAGE, BLOCK_N, True, EVEN_D, DOT_PREC, DOT_F32)
+            offs_d, d_mask, qk_scale, PAGE, BLOCK_N, True, EVEN_D, DOT_PREC, DOT_F32, q_ptr.dtype.element_ty)
 
     tok64 = (q_start + tok).to(tl.int64)
     mask = row_valid[:, None] & d_mask[None, :]
+    acc = acc * v_scale
     if not SPLIT:
         out = acc / l_i[:, None]
         o_rows = tok64 * stride_ot + head * stride_oh
@@ -379,6 +398,8 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a packed prefill/decode batch over the paged KV cache, one kernel
     (the attention layers of every hybrid family; GQA: query head h reads kv head
@@ -395,9 +416,10 @@ def paged_attention(
     host sync, never inside a CUDA-graph capture). num_splits: force the number of context
     splits when the plan is built here (tests); None chooses from the batch. The reference
     needs no plan. out: optional preallocated (num_tokens, num_heads, head_dim) result in
-    q.dtype, head_dim stride 1.
-    The Triton path takes q and caches of one float16/bfloat16/float32 dtype, caches with
-    head_dim stride 1. Returns (num_tokens, num_heads, head_dim) in q.dtype; rows past
+    q.dtype, head_dim stride 1. k_scale, v_scale: the per-tensor scales of float8_e4m3fn caches
+    (keys are k_cache * k_scale, values v_cache * v_scale; ignored for other caches).
+    The Triton path takes q and caches of one float16/bfloat16/float32 dtype (or float8_e4m3fn
+    caches), caches with head_dim stride 1. Returns (num_tokens, num_heads, head_dim) in q.dtype; rows past
     query_start_loc[-1] are left unwritten.
     Math: softmax(scale * q k^T) v with the causal mask, in float32 (Attention Is All You Need,
     section 3.2.1), online softmax as in FlashAttention-2; `reference.paged_attention`.
@@ -424,15 +446,20 @@ def paged_attention(
     check(out is None or (out.shape == q.shape and out.dtype == q.dtype and out.stride(2) == 1
                           and out.device == q.device),
           lambda: f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with stride 1 along head_dim")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    check(fp8 == (v_cache.dtype == torch.float8_e4m3fn), "k_cache and v_cache must both be FP8 or neither")
+    if not fp8:
+        k_scale = v_scale = 1.0
     if not use_triton(q):
-        result = reference.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale)
+        result = reference.paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale,
+                                           k_scale, v_scale)
         if out is None:
             return result
         n = int(query_start_loc[-1])  # rows past it stay unwritten, as on the kernel path
         out[:n].copy_(result[:n])
         return out
-    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32) and k_cache.dtype == q.dtype
-          and v_cache.dtype == q.dtype,
+    check(q.dtype in (torch.float16, torch.bfloat16, torch.float32) and (fp8 or (k_cache.dtype == q.dtype
+                                                                          and v_cache.dtype == q.dtype)),
           lambda: f"q and caches must share a float16/bfloat16/float32 dtype, got {q.dtype}, {k_cache.dtype}, "
                   f"{v_cache.dtype}")
     check(k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "k_cache and v_cache must have stride 1 along head_dim")
@@ -479,7 +506,7 @@ def paged_attention(
     _paged_attention_kernel[(num_items, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         block_table, seq_lens, query_start_loc, plan.work,
-        float(scale) * math.log2(math.e), head_dim, splits,
+        float(scale) * float(k_scale) * math.log2(math.e), head_dim, splits, float(v_scale),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -30,10 +30,10 @@ _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, a_rows_ptr, b_ptr, c_ptr, expert_offs_ptr, tile_expert_ptr, tile_first_ptr,
+    a_ptr, a_rows_ptr, b_ptr, c_ptr, expert_offs_ptr, tile_expert_ptr, tile_first_ptr, bs_ptr,
     N, K, num_n_tiles,
-    stride_am, stride_be, stride_bn, stride_bk, stride_cm,
-    GATHER: tl.constexpr, GATED: tl.constexpr,
+    stride_am, stride_be, stride_bn, stride_bk, stride_cm, stride_bse,
+    GATHER: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -41,6 +41,8 @@ def _grouped_gemm_kernel(
 
     GATED: B[e] holds 2N rows, gate then up, and C = silu(A Bg^T) * (A Bu^T).
     GATHER: A's row r is a_ptr[a_rows[r]] (tokens gathered into expert order on the fly).
+    SCALED: B is FP8 with one float32 scale per row, bs[e, n] (gate rows then up rows): each
+    tile is widened to A's dtype (exact) and the scales multiply the float32 sums.
     """
     pid = tl.program_id(0)
     pid_m = pid // num_n_tiles
@@ -67,17 +69,26 @@ def _grouped_gemm_kernel(
         k_mask = offs_k + k0 < K
         a = tl.load(a_ptrs, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & c_mask[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
+        if SCALED:
+            b = b.to(a.dtype)
         if DOT_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc=acc, input_precision=DOT_PREC)
         if GATED:
             bu = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & c_mask[None, :], other=0.0)
+            if SCALED:
+                bu = bu.to(a.dtype)
             if DOT_F32:
                 bu = bu.to(tl.float32)
             acc_up = tl.dot(a, bu, acc=acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+    if SCALED:
+        bs_row = bs_ptr + e.to(tl.int64) * stride_bse + cols
+        acc = acc * tl.load(bs_row, mask=c_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(bs_row + N, mask=c_mask, other=0.0)[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
@@ -106,9 +117,9 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, hidden, stride_y, s
 
 
 @triton.jit
-def _direct_gate_up_kernel(x_ptr, w1_ptr, ids_ptr, part_ptr, hidden, inter, top_k,
-                           stride_x, stride_we, stride_wn, stride_pp, stride_ps,
-                           BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+def _direct_gate_up_kernel(x_ptr, w1_ptr, ids_ptr, part_ptr, s1_ptr, hidden, inter, top_k,
+                           stride_x, stride_we, stride_wn, stride_pp, stride_ps, stride_se,
+                           BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, SCALED: tl.constexpr):
     """Split-K partial sums of the routed pairs' gate and up rows, one tile per program.
 
     For routed pair p = t * top_k + k (expert e = ids[p]), feature block s of BLOCK_H columns:
@@ -129,14 +140,19 @@ def _direct_gate_up_kernel(x_ptr, w1_ptr, ids_ptr, part_ptr, hidden, inter, top_
     wg = tl.load(w_rows, mask=m, other=0.0).to(tl.float32)
     wu = tl.load(w_rows + inter * stride_wn, mask=m, other=0.0).to(tl.float32)
     dst = part_ptr + p.to(tl.int64) * stride_pp + s * stride_ps + offs_i
-    tl.store(dst, tl.sum(wg * xv[None, :], axis=1), mask=i_mask)
-    tl.store(dst + inter, tl.sum(wu * xv[None, :], axis=1), mask=i_mask)
+    g = tl.sum(wg * xv[None, :], axis=1)
+    u = tl.sum(wu * xv[None, :], axis=1)
+    if SCALED:  # FP8 rows: each partial sum times its row's scale (the splits then add scaled sums)
+        g = g * tl.load(s1_ptr + e * stride_se + offs_i, mask=i_mask, other=0.0)
+        u = u * tl.load(s1_ptr + e * stride_se + inter + offs_i, mask=i_mask, other=0.0)
+    tl.store(dst, g, mask=i_mask)
+    tl.store(dst + inter, u, mask=i_mask)
 
 
 @triton.jit
-def _direct_down_kernel(part_ptr, w2_ptr, ids_ptr, wts_ptr, y_ptr, hidden, inter, num_splits,
-                        stride_pp, stride_ps, stride_we, stride_wn, stride_yp,
-                        BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+def _direct_down_kernel(part_ptr, w2_ptr, ids_ptr, wts_ptr, y_ptr, s2_ptr, hidden, inter, num_splits,
+                        stride_pp, stride_ps, stride_we, stride_wn, stride_yp, stride_se,
+                        BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, SCALED: tl.constexpr):
     """y[p, n] = wts[p] * (w2[e, n] . act[p]) for routed pair p, expert e = ids[p], where
     act[p, i] = silu(g) * u with g, u the sums of the gate/up kernel's split partials (in a
     fixed order). One program: one pair, BLOCK_N output features."""
@@ -159,6 +175,8 @@ def _direct_down_kernel(part_ptr, w2_ptr, ids_ptr, wts_ptr, y_ptr, hidden, inter
         act = g * tl.sigmoid(g) * u
         w = tl.load(w_rows + offs_i[None, :], mask=n_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
         acc += tl.sum(w * act[None, :], axis=1)
+    if SCALED:
+        acc = acc * tl.load(s2_ptr + e * stride_se + offs_n, mask=n_mask, other=0.0)
     tl.store(y_ptr + p * stride_yp + offs_n, weight * acc, mask=n_mask)
 
 
@@ -355,7 +373,7 @@ def _direct_config(on_gpu: bool) -> tuple[int, int, int, int]:
     return (16, 256, 16, 256) if on_gpu else (8, 32, 8, 32)
 
 
-def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials=False):
+def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials=False, w1_scale=None, w2_scale=None):
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = w2.shape[2]
@@ -364,13 +382,15 @@ def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials=False):
     bi, bh, bn, bi2 = _direct_config(x.is_cuda)
     splits = triton.cdiv(hidden, bh)
     part = torch.empty(num_pairs, splits, 2, inter, dtype=torch.float32, device=x.device)
+    scaled = w1_scale is not None
     _direct_gate_up_kernel[(num_pairs, triton.cdiv(inter, bi), splits)](
-        x, w1, ids, part, hidden, inter, top_k, x.stride(0), w1.stride(0), w1.stride(1),
-        part.stride(0), part.stride(1), BLOCK_I=bi, BLOCK_H=bh)
+        x, w1, ids, part, w1_scale if scaled else part, hidden, inter, top_k, x.stride(0), w1.stride(0), w1.stride(1),
+        part.stride(0), part.stride(1), w1_scale.stride(0) if scaled else 0, BLOCK_I=bi, BLOCK_H=bh, SCALED=scaled)
     y = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     _direct_down_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-        part, w2, ids, topk_weights.contiguous(), y, hidden, inter, splits,
-        part.stride(0), part.stride(1), w2.stride(0), w2.stride(1), y.stride(0), BLOCK_N=bn, BLOCK_I=bi2)
+        part, w2, ids, topk_weights.contiguous(), y, w2_scale if scaled else y, hidden, inter, splits,
+        part.stride(0), part.stride(1), w2.stride(0), w2.stride(1), y.stride(0), w2_scale.stride(0) if scaled else 0,
+        BLOCK_N=bn, BLOCK_I=bi2, SCALED=scaled)
     if as_partials:  # (top_k, num_tokens, hidden): the consumer adds the weighted pairs
         return y.view(num_tokens, top_k, hidden).transpose(0, 1)
     block = min(1024, next_power_of_2(hidden))
@@ -411,11 +431,12 @@ def _tile_map(offs: torch.Tensor, num_rows: int, block_m: int):
     return tile_expert, (tiles_end - tiles).to(torch.int32), max_tiles
 
 
-def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype):
+def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype, b_scale=None):
     """Triton grouped GEMM: (num_rows, N) = A[rows] @ B[e]^T by expert slices of offs.
 
     a: (*, K), stride 1 on K; a_rows: (num_rows,) int32 rows of a in expert order, or None when
-    a is already in that order; b: (E, N or 2N when gated, K), stride 1 on K.
+    a is already in that order; b: (E, N or 2N when gated, K), stride 1 on K; b_scale: (E, N or
+    2N) float32, stride 1, for an FP8 b.
     """
     K = a.shape[1]
     N = b.shape[1] // 2 if gated else b.shape[1]
@@ -433,9 +454,10 @@ def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype):
     num_n_tiles = triton.cdiv(N, block_n)
     _grouped_gemm_kernel[(max_tiles * num_n_tiles,)](
         a, a_rows if a_rows is not None else offs, b, out, offs, tile_expert, tile_first,
-        N, K, num_n_tiles,
+        b_scale if b_scale is not None else out, N, K, num_n_tiles,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
-        GATHER=a_rows is not None, GATED=gated,
+        b_scale.stride(0) if b_scale is not None else 0,
+        GATHER=a_rows is not None, GATED=gated, SCALED=b_scale is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton's interpreter multiplies bfloat16 tiles as raw uint16 (triton 3.9).
@@ -467,6 +489,8 @@ def fused_moe(
     *,
     impl: str | None = None,
     out: torch.Tensor | None = None,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SiLU-gated mixture of experts over top-k routed tokens (the MoE families' expert layers).
 
@@ -479,6 +503,10 @@ def fused_moe(
     to add (the direct path's weighted pairs in float32, no combine launch; other paths and
     the reference return the result as one part). out: optional preallocated (num_tokens,
     hidden) result in hidden_states' dtype, stride 1 along hidden.
+    w1_scale (num_experts, 2 * inter), w2_scale (num_experts, hidden): float32 per-row scales
+    of FP8 (float8_e4m3fn) w1, w2 (both or neither): the experts' weights are w * scale
+    (weight-only FP8: the activations stay in hidden_states' dtype; the Triton kernels widen
+    each weight tile exactly and scale the float32 sums; torch._grouped_mm is not used).
     The Triton path takes float32/float16/bfloat16 with w1, w2 in hidden_states' dtype and add
     with stride 1 along hidden; impl forces its way (tests, benchmarks): "direct" (per routed
     pair, chosen for at most DIRECT_MAX_PAIRS pairs), "grouped_mm" (torch._grouped_mm, CUDA
@@ -506,14 +534,21 @@ def fused_moe(
           lambda: f"out must be ({num_tokens}, {hidden}) {hidden_states.dtype} with stride 1 along hidden")
     check(impl in (None, "direct", "grouped_mm", "triton"),
           lambda: f"impl must be None, 'direct', 'grouped_mm' or 'triton', got {impl!r}")
+    scaled = w1_scale is not None
+    check(scaled == (w2_scale is not None), "w1_scale and w2_scale come together")
+    check(not scaled or (w1.dtype == w2.dtype == torch.float8_e4m3fn
+                         and w1_scale.shape == (num_experts, two_inter) and w2_scale.shape == (num_experts, hidden)
+                         and w1_scale.dtype == w2_scale.dtype == torch.float32),
+          lambda: f"FP8 experts: w1, w2 float8_e4m3fn with float32 w1_scale ({num_experts}, {two_inter}) and "
+                  f"w2_scale ({num_experts}, {hidden})")
     if not use_triton(hidden_states):
         check(impl is None, lambda: f"impl={impl!r} picks a Triton path; the reference backend has one")
-        result = reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add)
+        result = reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add, w1_scale, w2_scale)
         result = result if out is None else out.copy_(result)
         return result[None] if as_partials else result
-    check(w1.dtype == hidden_states.dtype and w2.dtype == hidden_states.dtype,
+    check(scaled or (w1.dtype == hidden_states.dtype and w2.dtype == hidden_states.dtype),
           lambda: f"w1, w2 must have hidden_states' dtype {hidden_states.dtype}, got {w1.dtype}, {w2.dtype}")
-    check(impl != "grouped_mm" or _grouped_mm_usable(hidden_states, w1, w2),
+    check(impl != "grouped_mm" or (not scaled and _grouped_mm_usable(hidden_states, w1, w2)),
           "torch._grouped_mm is not usable here (needs CUDA bf16, sizes multiple of 8)")
     check(add is None or add.stride(1) == 1, "add must have stride 1 along hidden")
     top_k = topk_ids.shape[1]
@@ -526,13 +561,15 @@ def fused_moe(
         if num_tokens * top_k <= DIRECT_MAX_PAIRS:
             impl = "direct"
         else:
-            impl = "grouped_mm" if _grouped_mm_usable(hidden_states, w1, w2) else "triton"
+            impl = "grouped_mm" if not scaled and _grouped_mm_usable(hidden_states, w1, w2) else "triton"
 
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     w1 = w1 if w1.stride(2) == 1 else w1.contiguous()
     w2 = w2 if w2.stride(2) == 1 else w2.contiguous()
+    if scaled:
+        w1_scale, w2_scale = w1_scale.contiguous(), w2_scale.contiguous()
     if impl == "direct":
-        res = _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials and add is None)
+        res = _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials and add is None, w1_scale, w2_scale)
         return res[None] if as_partials and res.dim() == 2 else res
     num_rows = num_tokens * top_k
     token_of, inv, offs = _route(topk_ids, num_experts)
@@ -545,8 +582,8 @@ def fused_moe(
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](h, act, inter, h.stride(0), act.stride(0), BLOCK=block)
         y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs_end)  # (M, hidden)
     else:
-        act = _grouped_gemm(x, token_of, w1, offs, num_rows, True, x.dtype)  # (M, inter)
-        y = _grouped_gemm(act, None, w2, offs, num_rows, False, x.dtype)  # (M, hidden)
+        act = _grouped_gemm(x, token_of, w1, offs, num_rows, True, x.dtype, w1_scale)  # (M, inter)
+        y = _grouped_gemm(act, None, w2, offs, num_rows, False, x.dtype, w2_scale)  # (M, hidden)
 
     weights = topk_weights.contiguous()
     block = min(1024, next_power_of_2(hidden))

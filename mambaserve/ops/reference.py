@@ -305,21 +305,27 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, num_splits: int = 1) 
     return torch.stack([x[:, a:b].to(cdt) @ weight[:, a:b].to(cdt).t() for a, b in zip(bounds, bounds[1:])])
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     """The math of `reshape_and_cache`, see `ops.attention.reshape_and_cache`: cache row
-    slot = block * block_size + offset of each token gets its k and v; slot -1 is skipped."""
+    slot = block * block_size + offset of each token gets its k and v (FP8 caches: k / k_scale
+    and v / v_scale, clamped to +-448); slot -1 is skipped."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    k_cache[slots // block_size, slots % block_size] = k[valid].to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = v[valid].to(v_cache.dtype)
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    ks, vs = (k[valid].float() / k_scale, v[valid].float() / v_scale) if fp8 else (k[valid], v[valid])
+    if fp8:
+        ks, vs = ks.clamp(-448.0, 448.0), vs.clamp(-448.0, 448.0)
+    k_cache[slots // block_size, slots % block_size] = ks.to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = vs.to(v_cache.dtype)
 
 
-def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale):
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, k_scale=1.0, v_scale=1.0):
     """The math of `paged_attention`, see `ops.attention.paged_attention`: the j-th new token of
     a sequence sits at position seq_len - num_new + j and sees keys 0..that position;
     softmax(scale * q k^T) v in float32 (Attention Is All You Need, section 3.2.1), query head
-    h reading kv head h // (num_heads // num_kv_heads)."""
+    h reading kv head h // (num_heads // num_kv_heads); keys k_cache * k_scale, values
+    v_cache * v_scale."""
     cdt = _compute_dtype(q)
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -335,8 +341,8 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
         if n_blocks > block_table.shape[1]:
             raise ValueError(f"block_table has {block_table.shape[1]} columns, a sequence needs {n_blocks}")
         blocks = block_table[i, :n_blocks].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[-1])[:seq_len].to(cdt)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[-1])[:seq_len].to(cdt)
+        k = k_cache[blocks].reshape(-1, num_kv_heads, k_cache.shape[-1])[:seq_len].to(cdt) * k_scale
+        v = v_cache[blocks].reshape(-1, num_kv_heads, v_cache.shape[-1])[:seq_len].to(cdt) * v_scale
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # (S, H, Dh)
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
         qs = q[start:end].to(cdt)  # (n, H, Dh)
@@ -349,10 +355,14 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     return out
 
 
-def fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add=None):
+def fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add=None, w1_scale=None, w2_scale=None):
     """The math of `fused_moe`, see `ops.moe.fused_moe` (Shazeer et al. 2017, top-k routing;
     GLU: Shazeer 2020): out[t] = sum_k topk_weights[t, k] * expert_{ids[t,k]}(x_t) with
-    expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x, plus `add` when given, rounded once."""
+    expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x, plus `add` when given, rounded once;
+    FP8 weights times their per-row scales w1_scale (E, 2I), w2_scale (E, H)."""
+    if w1_scale is not None:
+        w1 = w1.float() * w1_scale.float()[..., None]
+        w2 = w2.float() * w2_scale.float()[..., None]
     cdt = _compute_dtype(hidden_states)
     x = hidden_states.to(cdt)
     out = torch.zeros_like(x) if add is None else add.to(cdt).clone()

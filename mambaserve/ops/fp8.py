@@ -1,0 +1,114 @@
+"""FP8 (float8_e4m3fn) quantization and matrix products: ops `quantize_fp8`, `fp8_linear`.
+
+Symmetric scaled FP8 as in the compressed-tensors format and vLLM: q = clamp(x / s, -448, 448)
+rounded to e4m3, x ~ q * s with s float32, per tensor (one s), per output channel of a weight
+(one s per row) or per token of an activation (one s per row, computed at run time from the
+row's absolute maximum: s = amax / 448).
+
+`fp8_linear` multiplies by an FP8 weight. On a CUDA device whose torch has `torch._scaled_mm`
+(Hopper's FP8 tensor cores through cuBLASLt) the activations are quantized (per token, or with
+a static per-tensor scale), and one `_scaled_mm` computes (x_q W_q^T) * s_x * s_w in float32
+with a bfloat16 result; its layout rules (A row-major, B column-major: the transpose of a
+row-major (N, K) weight is; K and N multiples of 16; bfloat16 out) are checked, and a call
+that breaks them takes the reference. The reference (every CPU call) dequantizes the weight
+to the activations' dtype and runs F.linear: activations are not quantized there (the weight
+is the only rounding), so it is the "dequantized model" of the tests, and `reference_scaled_mm`
+states the GPU path's math for tests of it.
+
+This module knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mambaserve.ops.common import check
+from mambaserve.ops.dispatch import current_backend
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite, positive scale
+_HAS_SCALED_MM = hasattr(torch, "_scaled_mm")
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None, *, per_row: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric FP8 quantization of x (..., K) -> (q in float8_e4m3fn of x's shape, scale float32).
+
+    scale given (a static scale: 1 element, or one per row (..., 1)): q = clamp(x / scale).
+    Otherwise a dynamic scale amax(|x|) / 448 (at least 1/229,376 so zeros stay finite):
+    per_row=True one per row (shape (..., 1): per token, or per output channel of a weight
+    (N, K) / (E, N, K)), per_row=False one for the tensor (shape (1,)). Raises ValueError for
+    a static scale of another size."""
+    xf = x.float()
+    if scale is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True) if per_row else xf.abs().amax().reshape(1)
+        scale = (amax / FP8_MAX).clamp_min(_MIN_SCALE)
+    else:
+        scale = scale.float()
+        check(scale.numel() == 1 or scale.shape == (*x.shape[:-1], 1),
+              lambda: f"a static scale must have 1 element or shape {(*x.shape[:-1], 1)}, got {tuple(scale.shape)}")
+    s = scale if scale.dim() == xf.dim() or scale.numel() != 1 else scale.reshape([1] * xf.dim())
+    return (xf / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q (..., N, K) float8 times scale (1 element, or (..., N) / (..., N, 1): one per row), in
+    float32, rounded once to `dtype`."""
+    s = scale.float()
+    if s.numel() != 1 and s.dim() == q.dim() - 1:
+        s = s[..., None]
+    return (q.float() * (s if s.numel() != 1 else s.reshape(()))).to(dtype)
+
+
+def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    N, K = weight.shape
+    return (_HAS_SCALED_MM and x.is_cuda and current_backend() != "reference" and x.dtype == torch.bfloat16
+            and K % 16 == 0 and N % 16 == 0 and weight.stride(1) == 1 and x.shape[0] > 0)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
+               input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x (W_q * s_w)^T + b: a linear layer whose weight is stored in FP8.
+
+    x: (..., K) float; weight: (N, K) float8_e4m3fn; weight_scale: float32, 1 element (per
+    tensor) or N (per output channel, shape (N,) or (N, 1)); bias: (N,) or None; input_scale:
+    the checkpoint's static per-tensor activation scale (1 element), or None for dynamic
+    per-token scales (used by the FP8 GEMM only: the reference does not quantize x).
+    Returns (..., N) in x's dtype. Backend: module docstring. Raises ValueError on shapes or
+    dtypes that do not fit.
+    """
+    check(weight.dim() == 2 and weight.dtype == FP8_DTYPE and x.shape[-1] == weight.shape[1],
+          lambda: f"weight must be (N, {x.shape[-1]}) float8_e4m3fn, got {tuple(weight.shape)} {weight.dtype}")
+    N = weight.shape[0]
+    check(weight_scale.numel() in (1, N),
+          lambda: f"weight_scale must have 1 or {N} elements, got {weight_scale.numel()}")
+    check(input_scale is None or input_scale.numel() == 1, "input_scale must be one per-tensor scale")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if not _scaled_mm_usable(x2, weight):
+        return F.linear(x, dequantize_fp8(weight, weight_scale.reshape(-1), x.dtype), bias)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    xq, xs = quantize_fp8(x2, input_scale)  # (M, K) fp8, (M, 1) or (1,) float32
+    ws = weight_scale.float().reshape(-1)
+    if xs.numel() == 1 and ws.numel() == 1:  # tensor-wise scaling
+        a_scale, b_scale = xs.reshape(()), ws.reshape(())
+    else:  # row-wise: (M, 1) and (1, N)
+        a_scale = xs.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+        b_scale = ws.reshape(1, -1).expand(1, N).contiguous()
+    y = torch._scaled_mm(xq, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, N)
+
+
+def reference_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The math of `fp8_linear`'s FP8 GEMM, in float64: x quantized as there (per token, or by
+    input_scale), (x_q * s_x) (W_q * s_w)^T. x: (M, K) -> (M, N) float64 (tests of the GPU path)."""
+    xq, xs = quantize_fp8(x, input_scale)
+    xs = xs.reshape(-1, 1) if xs.numel() > 1 else xs.reshape(())
+    ws = weight_scale.double().reshape(-1)
+    return (xq.double() * xs.double()) @ (weight.double() * (ws[:, None] if ws.numel() > 1 else ws)).t()
