@@ -17,6 +17,10 @@
 #                      MAMBASERVE_COMMIT to the measured commit: the copy has no .git; ~7 min)
 #   prefix-caching     benchmarks/prefix_caching.py, granite-4.0-tiny-preview then bamba-9b: multi-turn (8k of
 #                      history by turn 1), shared-prefix and sharegpt-synthetic with caching on vs off (~6 min)
+#   fp8                benchmarks/fp8.py: granite-4.0-tiny-preview then bamba-9b, bf16 vs quantization=fp8 batch-1
+#                      latency at 1,024 and 31,500 in / 128 out (prefill and decode apart), throughput (128 x
+#                      1,024 / 128), 32k-token requests that fit with kv_cache_dtype auto vs fp8; one JSON per
+#                      model (set MAMBASERVE_COMMIT: the copy has no .git; ~8 min)
 # Afterwards, in the checkout: `python3 benchmarks/file_results.py OUT/*.json --commit HASH` files the
 # latency and throughput records (and bench-models.json) under benchmarks/results/<gpu>/; kernel and
 # profile records go by hand to <gpu>/kernels/ and <gpu>/profiles/ (benchmarks/results/README.md).
@@ -40,6 +44,13 @@ case "${1:-}" in
       --output "$OUT/prefix-caching-granite-4.0-tiny-preview.json" 2>&1 | grep -E "^\[|Error|Traceback" | cut -c1-160
     timeout 300 python3 benchmarks/prefix_caching.py --models bamba-9b --mt-conversations 4 --pr-requests 48 \
       --sharegpt-prompts 120 --output "$OUT/prefix-caching-bamba-9b.json" 2>&1 | grep -E "^\[|Error|Traceback" | cut -c1-160
+    ;;
+  fp8)
+    # one process per model, so that a timeout keeps the other's JSON
+    timeout 250 python3 benchmarks/fp8.py --models granite-4.0-tiny-preview --output "$OUT/fp8-granite-4.0-tiny-preview.json" \
+      2>&1 | grep -E "^\[|Error|Traceback" | cut -c1-200
+    timeout 300 python3 benchmarks/fp8.py --models bamba-9b --output "$OUT/fp8-bamba-9b.json" \
+      2>&1 | grep -E "^\[|Error|Traceback" | cut -c1-200
     ;;
   models)
     timeout 570 python3 benchmarks/bench_models.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40

@@ -63,7 +63,8 @@ def write_fp8_checkpoint(name: str, preset: str, ignore: list[str], kv_scales: b
         slices = [_compress(w, scheme) for w in (t if t.dim() == 3 else [t])]  # expert by expert
         back = [dequantize(x_q=q, scale=sc, args=scheme.weights) for q, sc in slices]
         if t.dim() == 3:
-            fp8[key], fp8[f"{mod}.weight_scale"] = torch.stack([q for q, _ in slices]), torch.stack([s for _, s in slices])
+            fp8[key] = torch.stack([q for q, _ in slices])
+            fp8[f"{mod}.weight_scale"] = torch.stack([s for _, s in slices])
             deq[key] = torch.stack(back).to(t.dtype)
         else:
             (fp8[key], fp8[f"{mod}.weight_scale"]), deq[key] = slices[0], back[0].to(t.dtype)
