@@ -23,13 +23,35 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mambaserve.ops.common import check
-from mambaserve.ops.dispatch import current_backend
+from mambaserve.ops.common import check, next_power_of_2
+from mambaserve.ops.dispatch import current_backend, tl, triton, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite, positive scale
 _HAS_SCALED_MM = hasattr(torch, "_scaled_mm")
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, min_scale,
+                          STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    """One row: its scale (amax / 448, or the static s_ptr[0]), then q = clamp(x / scale)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    if STATIC:
+        scale = tl.load(s_ptr)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
+        tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + offs < K
+        x = tl.load(x_ptr + row * stride_x + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(x / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None, *, per_row: bool = True
@@ -40,7 +62,25 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor | None = None, *, per_row:
     Otherwise a dynamic scale amax(|x|) / 448 (at least 1/229,376 so zeros stay finite):
     per_row=True one per row (shape (..., 1): per token, or per output channel of a weight
     (N, K) / (E, N, K)), per_row=False one for the tensor (shape (1,)). Raises ValueError for
-    a static scale of another size."""
+    a static scale of another size. A 2-D x on the Triton path (CUDA: the activations of
+    `fp8_linear`), per row or with one static scale, is one kernel launch; the rest runs
+    `quantize_fp8_reference`, the same math in PyTorch."""
+    if x.dim() == 2 and use_triton(x) and x.stride(1) == 1 and (per_row or scale is not None) \
+            and (scale is None or scale.numel() == 1):
+        M, K = x.shape
+        q = torch.empty(M, K, dtype=FP8_DTYPE, device=x.device)
+        s = scale.float().reshape(1).contiguous() if scale is not None else \
+            torch.empty(M, 1, dtype=torch.float32, device=x.device)
+        if M and K:
+            _quantize_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), _MIN_SCALE,
+                                        STATIC=scale is not None, BLOCK=min(1024, next_power_of_2(K)))
+        return q, s
+    return quantize_fp8_reference(x, scale, per_row=per_row)
+
+
+def quantize_fp8_reference(x: torch.Tensor, scale: torch.Tensor | None = None, *, per_row: bool = True
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The math of `quantize_fp8`, in PyTorch (float32 division, clamp, round to e4m3)."""
     xf = x.float()
     if scale is None:
         amax = xf.abs().amax(dim=-1, keepdim=True) if per_row else xf.abs().amax().reshape(1)
@@ -108,7 +148,7 @@ def reference_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
                         input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The math of `fp8_linear`'s FP8 GEMM, in float64: x quantized as there (per token, or by
     input_scale), (x_q * s_x) (W_q * s_w)^T. x: (M, K) -> (M, N) float64 (tests of the GPU path)."""
-    xq, xs = quantize_fp8(x, input_scale)
+    xq, xs = quantize_fp8_reference(x, input_scale)
     xs = xs.reshape(-1, 1) if xs.numel() > 1 else xs.reshape(())
     ws = weight_scale.double().reshape(-1)
     return (xq.double() * xs.double()) @ (weight.double() * (ws[:, None] if ws.numel() > 1 else ws)).t()

@@ -543,7 +543,9 @@ def fused_moe(
                   f"w2_scale ({num_experts}, {hidden})")
     if not use_triton(hidden_states):
         check(impl is None, lambda: f"impl={impl!r} picks a Triton path; the reference backend has one")
-        result = reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add, w1_scale, w2_scale)
+        if scaled:  # the reference multiplies the dequantized weights (float32, as it computes)
+            w1, w2 = w1.float() * w1_scale[..., None], w2.float() * w2_scale[..., None]
+        result = reference.fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add)
         result = result if out is None else out.copy_(result)
         return result[None] if as_partials else result
     check(scaled or (w1.dtype == hidden_states.dtype and w2.dtype == hidden_states.dtype),

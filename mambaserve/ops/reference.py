@@ -307,25 +307,22 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, num_splits: int = 1) 
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
     """The math of `reshape_and_cache`, see `ops.attention.reshape_and_cache`: cache row
-    slot = block * block_size + offset of each token gets its k and v (FP8 caches: k / k_scale
-    and v / v_scale, clamped to +-448); slot -1 is skipped."""
+    slot = block * block_size + offset of each token gets its k and v (FP8: / scale, clamped to
+    +-448); slot -1 is skipped."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    fp8 = k_cache.dtype == torch.float8_e4m3fn
-    ks, vs = (k[valid].float() / k_scale, v[valid].float() / v_scale) if fp8 else (k[valid], v[valid])
-    if fp8:
-        ks, vs = ks.clamp(-448.0, 448.0), vs.clamp(-448.0, 448.0)
-    k_cache[slots // block_size, slots % block_size] = ks.to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = vs.to(v_cache.dtype)
+    if k_cache.dtype == torch.float8_e4m3fn:
+        k, v = (k.float() / k_scale).clamp(-448.0, 448.0), (v.float() / v_scale).clamp(-448.0, 448.0)
+    k_cache[slots // block_size, slots % block_size] = k[valid].to(k_cache.dtype)
+    v_cache[slots // block_size, slots % block_size] = v[valid].to(v_cache.dtype)
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, k_scale=1.0, v_scale=1.0):
     """The math of `paged_attention`, see `ops.attention.paged_attention`: the j-th new token of
     a sequence sits at position seq_len - num_new + j and sees keys 0..that position;
     softmax(scale * q k^T) v in float32 (Attention Is All You Need, section 3.2.1), query head
-    h reading kv head h // (num_heads // num_kv_heads); keys k_cache * k_scale, values
-    v_cache * v_scale."""
+    h reading kv head h // (num_heads // num_kv_heads); keys k_cache * k_scale, values v * v_scale."""
     cdt = _compute_dtype(q)
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -355,14 +352,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc,
     return out
 
 
-def fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add=None, w1_scale=None, w2_scale=None):
+def fused_moe(hidden_states, w1, w2, topk_weights, topk_ids, add=None):
     """The math of `fused_moe`, see `ops.moe.fused_moe` (Shazeer et al. 2017, top-k routing;
     GLU: Shazeer 2020): out[t] = sum_k topk_weights[t, k] * expert_{ids[t,k]}(x_t) with
-    expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x, plus `add` when given, rounded once;
-    FP8 weights times their per-row scales w1_scale (E, 2I), w2_scale (E, H)."""
-    if w1_scale is not None:
-        w1 = w1.float() * w1_scale.float()[..., None]
-        w2 = w2.float() * w2_scale.float()[..., None]
+    expert_e(x) = w2[e] @ (silu(g) * u), [g; u] = w1[e] @ x, plus `add` when given, rounded once."""
     cdt = _compute_dtype(hidden_states)
     x = hidden_states.to(cdt)
     out = torch.zeros_like(x) if add is None else add.to(cdt).clone()

@@ -87,3 +87,42 @@ def test_an_fp8_tensor_for_a_layer_the_config_leaves_alone_is_named():
     json.dump(cfg, open(path, "w"))
     with pytest.raises(ValueError, match="o_proj"):
         load_model(fp8_dir)
+
+
+ONLINE_FAMILIES = ["granite-moe", "granite-moe-absorbed", "bamba", "mamba2-untied", "falcon-h1", "jamba", "zamba2",
+                   "nemotron-h-moe", "mamba1"]
+
+
+@pytest.mark.parametrize("name", ONLINE_FAMILIES)
+def test_online_fp8_equals_the_model_of_its_rounded_weights(name, tmp_path):
+    """quantization="fp8" on a float32 checkpoint equals the plain model loaded from a copy whose
+    selected weights were rounded to FP8 per output row beforehand (the layers' FP8 path, the
+    loader's quantization, and each family's finalize_weights on FP8 layers: Granite's absorbed
+    shared expert, Jamba's stacked experts, Falcon-H1's folded multipliers)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mambaserve import ops
+    from mambaserve.layers.quantization import prepare_fp8_modules, resolve_quantization
+    from mambaserve.loader import load_config
+    from mambaserve.models import get_model_class
+    from tests.models.tiny import checkpoint
+
+    src = checkpoint(name)
+    config = load_config(src)
+    with torch.device("meta"):
+        selected = prepare_fp8_modules(get_model_class(config)(config), resolve_quantization(config, "fp8"))
+    assert selected
+    tensors = load_file(f"{src}/model.safetensors")
+    for mod in selected:
+        w = tensors[f"{mod}.weight"]
+        q, s = ops.fp8.quantize_fp8_reference(w)
+        tensors[f"{mod}.weight"] = q.float() * s
+    shutil.copytree(src, tmp_path / "rounded")
+    save_file(tensors, tmp_path / "rounded" / "model.safetensors")
+    ours, ref = load_model(src, quantization="fp8"), load_model(str(tmp_path / "rounded"))
+    assert any(p.dtype == FP8_DTYPE for p in ours.parameters())
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=g).tolist() for n in (2, 9)]
+    assert rel_err(_run(ours, prompts), _run(ref, prompts)) < 1e-5
