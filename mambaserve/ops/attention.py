@@ -116,7 +116,10 @@ def reshape_and_cache(
           lambda: f"slot_mapping must be ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
     check(k_scale > 0 and v_scale > 0, lambda: f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
     if not use_triton(k):
-        return reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        if k_cache.dtype == torch.float8_e4m3fn:  # the reference then only rounds and stores
+            k = (k.float() / k_scale).clamp(-448.0, 448.0)
+            v = (v.float() / v_scale).clamp(-448.0, 448.0)
+        return reference.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
     check(k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "k_cache and v_cache must have stride 1 along head_dim")
     if k.shape[0] == 0:
         return

@@ -305,15 +305,12 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, num_splits: int = 1) 
     return torch.stack([x[:, a:b].to(cdt) @ weight[:, a:b].to(cdt).t() for a, b in zip(bounds, bounds[1:])])
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping):
     """The math of `reshape_and_cache`, see `ops.attention.reshape_and_cache`: cache row
-    slot = block * block_size + offset of each token gets its k and v (FP8: / scale, clamped to
-    +-448); slot -1 is skipped."""
+    slot = block * block_size + offset of each token gets its k and v; slot -1 is skipped."""
     block_size = k_cache.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
-    if k_cache.dtype == torch.float8_e4m3fn:
-        k, v = (k.float() / k_scale).clamp(-448.0, 448.0), (v.float() / v_scale).clamp(-448.0, 448.0)
     k_cache[slots // block_size, slots % block_size] = k[valid].to(k_cache.dtype)
     v_cache[slots // block_size, slots % block_size] = v[valid].to(v_cache.dtype)
 
@@ -321,8 +318,8 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start_loc, scale, k_scale=1.0, v_scale=1.0):
     """The math of `paged_attention`, see `ops.attention.paged_attention`: the j-th new token of
     a sequence sits at position seq_len - num_new + j and sees keys 0..that position;
-    softmax(scale * q k^T) v in float32 (Attention Is All You Need, section 3.2.1), query head
-    h reading kv head h // (num_heads // num_kv_heads); keys k_cache * k_scale, values v * v_scale."""
+    softmax(scale * q k^T) v in float32 (Attention Is All You Need, 3.2.1), query head h reading
+    kv head h // (num_heads // num_kv_heads); keys k_cache * k_scale, values v_cache * v_scale."""
     cdt = _compute_dtype(q)
     num_heads = q.shape[1]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -92,3 +92,28 @@ def test_quantization_configs_that_cannot_apply_are_refused(tmp_path):
         LLM(str(ckpt), device="cpu")
     with pytest.raises(ValueError, match="does not apply"):
         LLM(str(ckpt), device="cpu", quantization="fp8")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (FP8 GEMM on Hopper)")
+@pytest.mark.parametrize("name", ["granite-moe", "bamba", "jamba"])
+def test_gpu_fp8_graphs_equal_eager_and_stay_near_bf16(name):
+    """On the GPU: quantization="fp8" with an FP8 KV cache, CUDA graphs against eager (the same
+    kernels up to padding: near ties only), and against the bfloat16 engine (close logprobs on
+    the first step: FP8 moves them, not by nats)."""
+    from tests.conftest import assert_greedy_close
+    from tests.engine.engines import SHARE, gen_with_logprobs
+    from tests.models.tiny import checkpoint
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    prompts = prompts_for(name, lens=(1, 3, 9, 17, 30))
+    kw = dict(skip_tokenizer_init=True, dtype="bfloat16", device="cuda", max_num_seqs=8, gpu_memory_utilization=SHARE,
+              cuda_graph_sizes=[1, 2, 4, 8])
+    eager = LLM(checkpoint(name), enforce_eager=True, quantization="fp8", kv_cache_dtype="fp8", **kw)
+    graphed = LLM(checkpoint(name), quantization="fp8", kv_cache_dtype="fp8", **kw)
+    bf16 = LLM(checkpoint(name), enforce_eager=True, **kw)
+    g, e, b = (gen_with_logprobs(x, prompts, params) for x in (graphed, eager, bf16))
+    diverged = assert_greedy_close(g, e, max_gap=0.5, logprob_tol=0.5)
+    assert diverged.count(None) >= len(diverged) // 2
+    for (_, lf), (_, lb) in zip(e, b):
+        common = set(lf[0]) & set(lb[0])
+        assert common and max(abs(lf[0][t] - lb[0][t]) for t in common) < 1.0
