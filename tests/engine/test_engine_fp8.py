@@ -117,3 +117,29 @@ def test_gpu_fp8_graphs_equal_eager_and_stay_near_bf16(name):
     for (_, lf), (_, lb) in zip(e, b):
         common = set(lf[0]) & set(lb[0])
         assert common and max(abs(lf[0][t] - lb[0][t]) for t in common) < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,preset", [("granite-tp-absorbed", "FP8"), ("bamba-tp", "FP8_DYNAMIC")])
+def test_compressed_tensors_checkpoint_on_two_ranks_equals_one(name, preset):
+    """Tensor parallelism over an FP8 checkpoint: each rank reads its shard of the FP8 weights and of
+    their per-row scales (whole per-tensor scales), and the outputs equal one rank's."""
+    pytest.importorskip("compressed_tensors")
+    from tests.models.fp8_checkpoints import write_fp8_checkpoint
+
+    path, _ = write_fp8_checkpoint(name, preset, ["lm_head"])
+    prompts = prompts_for(name, lens=(1, 5, 17))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, device="cpu", dtype="float32", skip_tokenizer_init=True,
+                  max_num_seqs=4)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        finally:
+            llm.llm_engine.shutdown()
+        runs.append([(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+                     for o in outs])
+    for (ta, la), (tb, lb) in zip(*runs):
+        assert ta == tb
+        assert all(abs(x[t] - y[t]) < 1e-4 for x, y in zip(la, lb) for t in x.keys() & y.keys())
