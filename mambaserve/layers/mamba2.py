@@ -45,9 +45,9 @@ def project_out(out_proj: RowParallelLinear, y: torch.Tensor, partials: bool) ->
     bias) the product runs as one split-K launch whose reduction the norm kernel does. Under
     tensor parallelism the product is all-reduced first (partials then (1, T, hidden))."""
     if partials:
-        if out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens() and out_proj.tp_group.world_size == 1 \
-                and out_proj.quant_method is None:  # an FP8 weight takes its own product
-            return ops.linear_partials(y, out_proj.weight)
+        if out_proj.bias is None and y.shape[0] <= ops.gemv_max_tokens() and out_proj.tp_group.world_size == 1:
+            # an FP8 weight: the same split-K launch reads it with its per-row scales (weight-only at decode)
+            return ops.linear_partials(y, out_proj.weight, getattr(out_proj, "weight_scale", None))
         return out_proj(y)[None]
     return out_proj(y)
 

@@ -9,6 +9,9 @@ from mambaserve import ops
 from mambaserve.ops.fp8 import FP8_DTYPE, reference_scaled_mm
 from tests.conftest import HAS_CUDA, rel_err
 
+# Triton runs on CUDA tensors when there is a GPU, else on CPU tensors through the interpreter.
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
 
 def _weights(n, k, dtype=torch.float32):
     return torch.randn(n, k, dtype=dtype) * torch.rand(n, 1, dtype=dtype) * 0.3  # rows of different ranges
@@ -54,7 +57,8 @@ def test_quantize_rows_kernel_matches_the_reference(static, shape):
     # (the GPU test below compares arbitrary values)
     x = torch.randn(shape).mul(30).clamp(-440, 440).to(FP8_DTYPE).float() * 0.125
     x[:, -1] = -56.0  # each row's amax 448 / 8: scale 1/8, so that x / scale needs no rounding
-    scale = torch.tensor([0.125]) if static else None
+    x = x.to(DEVICE)
+    scale = torch.tensor([0.125], device=DEVICE) if static else None
     want_q, want_s = ops.fp8.quantize_fp8_reference(x, scale)
     with ops.backend("triton"):
         q, s = ops.quantize_fp8(x, scale)
@@ -129,9 +133,11 @@ def test_fused_moe_fp8_experts_match_the_dequantized_experts(impl, num_tokens):
     want = ops.reference.fused_moe(x.double(), deq1, deq2, w.double(), ids)
     got_ref = ops.fused_moe(x, q1, q2, w, ids, w1_scale=s1, w2_scale=s2)
     assert rel_err(got_ref, want) < 1e-5
+    d = DEVICE
     with ops.backend("triton"):
-        got = ops.fused_moe(x, q1, q2, w, ids, impl=impl, w1_scale=s1, w2_scale=s2)
-    assert rel_err(got, want) < 1e-4
+        got = ops.fused_moe(x.to(d), q1.to(d), q2.to(d), w.to(d), ids.to(d), impl=impl, w1_scale=s1.to(d),
+                            w2_scale=s2.to(d))
+    assert rel_err(got.cpu(), want) < 1e-4
 
 
 def test_fused_moe_refuses_half_given_or_misshaped_scales():
@@ -178,6 +184,9 @@ def test_fp8_kv_cache_writes_scaled_values_and_attention_dequantizes_them(backen
         k_full = k_full.clamp(-400, 400).to(FP8_DTYPE).float() * k_scale
         v_full = v_full.clamp(-400, 400).to(FP8_DTYPE).float() * v_scale
         k_full[0, 0, 0] = 1000 * k_scale  # clamped to 448
+    d = DEVICE if backend == "triton" else "cpu"
+    q, kc, vc, k_full, v_full, slots, table, seq_lens, qsl = (t.to(d) for t in (q, kc, vc, k_full, v_full, slots,
+                                                                                table, seq_lens, qsl))
     with ops.backend(backend):
         ops.reshape_and_cache(k_full, v_full, kc, vc, slots, k_scale, v_scale)
     # the independent reference: quantize K and V the same way, then float64 attention over them
@@ -187,10 +196,11 @@ def test_fp8_kv_cache_writes_scaled_values_and_attention_dequantizes_them(backen
     assert torch.equal(vc.view(torch.uint8).reshape(vq.shape), vq.view(torch.uint8))
     k64 = (kq.double() * k_scale).reshape(kc.shape)
     v64 = (vq.double() * v_scale).reshape(vc.shape)
-    want = ops.reference.paged_attention(q.double(), k64, v64, table, seq_lens, qsl, 0.25)
+    want = ops.reference.paged_attention(q.double().cpu(), k64.cpu(), v64.cpu(), table.cpu(), seq_lens.cpu(),
+                                         qsl.cpu(), 0.25)
     with ops.backend(backend):
         got = ops.paged_attention(q, kc, vc, table, seq_lens, qsl, 0.25, k_scale=k_scale, v_scale=v_scale)
-    assert rel_err(got, want) < 1e-5
+    assert rel_err(got.cpu(), want) < 1e-5
 
 
 def test_fp8_kv_cache_refuses_mixed_caches_and_bad_scales():
@@ -199,3 +209,17 @@ def test_fp8_kv_cache_refuses_mixed_caches_and_bad_scales():
         ops.paged_attention(q, kc, vc.float(), table, seq_lens, qsl, 0.25)
     with pytest.raises(ValueError, match="k_scale and v_scale must be > 0"):
         ops.reshape_and_cache(k_full, v_full, kc, vc, slots, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 16])
+def test_linear_partials_reads_fp8_weights_with_their_row_scales(backend, num_tokens):
+    x, w = torch.randn(num_tokens, 100), _weights(37, 100)
+    q, s = ops.quantize_fp8(w)
+    want = x.double() @ (q.double() * s.double()).t()
+    d = DEVICE if backend == "triton" else "cpu"
+    with ops.backend(backend):
+        parts = ops.linear_partials(x.to(d), q.to(d), s.reshape(-1).to(d))
+    assert rel_err(parts.sum(0).cpu(), want) < 1e-5
+    with pytest.raises(ValueError, match="weight_scale"):
+        ops.linear_partials(x, q, s)  # (N, 1): not the (N,) the kernels take
