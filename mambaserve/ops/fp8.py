@@ -127,6 +127,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     check(input_scale is None or input_scale.numel() == 1, "input_scale must be one per-tensor scale")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:  # no rows: no weight to dequantize
+        return x.new_empty(*lead, N)
     if not _scaled_mm_usable(x2, weight):
         return F.linear(x, dequantize_fp8(weight, weight_scale.reshape(-1), x.dtype), bias)
     if x2.stride(1) != 1:

@@ -88,6 +88,7 @@ def test_fp8_linear_reference_is_the_dequantized_linear(per_channel, shape):
                     b.double())
     assert rel_err(got, want) < 1e-6
     assert got.shape == (m, n) and got.dtype == x.dtype
+    assert ops.fp8_linear(x[:0], q, s.reshape(-1), b).shape == (0, n)
 
 
 def test_fp8_linear_refuses_bad_weights():
