@@ -14,9 +14,19 @@ the modes given (`--modes eager,graphed`) and, with `torch.profiler` (CUDA activ
   it also reports the host side: wall time with and without the profiler, the CUDA API calls
   that wait for the device (synchronizations, blocking copies), and the host functions with the
   most self time.
-It prints, per mode and phase, the number of kernels per step, their summed device time per
-step, the wall time per step, and the 25 kernels with the most device time. In graphed mode the
-kernels inside CUDA graph replays are listed where the profiler sees them (CUPTI does on CUDA 12).
+It prints, per mode and phase, the number of kernels per step (launches), their summed device
+time per step, the wall time per step, and the 25 kernels with the most device time. In graphed
+mode the kernels inside CUDA graph replays are listed where the profiler sees them (CUPTI does on
+CUDA 12).
+
+The floor (`benchmarks/floor.py`; `--no-floor` skips it): before any engine is built the script
+measures the GPU's copy bandwidth (a 1 GiB device-to-device copy, bytes read plus written) and
+bf16 matrix rate (an 8192^3 matmul), best of 10 each; then for every phase it prints the bytes
+and FLOPs the phase's steps must move and run (the engine's own model, its chunking of the
+prompts), the floor time they imply, and the measured kernel time by group (norm, gemv/gemm,
+moe, conv, scan, state update, attention, other) with each group's excess over its own floor
+and its share of the phase's gap (kernel time minus floor). The JSON holds all of it, with the
+GPU, the hardware figures and the commit ($MAMBASERVE_COMMIT, else git's HEAD).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -31,6 +42,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import floor  # noqa: E402
 
 
 def _kernels(prof) -> dict[str, list[float]]:
@@ -73,13 +87,86 @@ def _diff(a, b):
 
 def _summary(kern: dict, steps: int, wall: float) -> dict:
     rows = sorted(kern.items(), key=lambda kv: -kv[1][1])
+    groups = floor.grouped_us({k: t / steps for k, (_, t) in kern.items()})
+    launches = defaultdict(float)
+    for k, (c, _) in kern.items():
+        launches[floor.kernel_group(k)] += c / steps
     return {
         "steps": steps,
         "wall_ms_per_step": wall * 1e3 / steps,
         "kernels_per_step": sum(c for c, _ in kern.values()) / steps,
         "kernel_ms_per_step": sum(t for _, t in kern.values()) / 1e3 / steps,
+        "group_us_per_step": groups,
+        "group_launches_per_step": dict(launches),
         "top": [{"name": k[:160], "count_per_step": c / steps, "us_per_step": t / steps} for k, (c, t) in rows[:25]],
     }
+
+
+def git_commit() -> str | None:
+    """$MAMBASERVE_COMMIT (a checkout copied without .git, as on the GPU machine), else git's HEAD."""
+    if os.environ.get("MAMBASERVE_COMMIT"):
+        return os.environ["MAMBASERVE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def measure_hardware(copy_bytes: int = 1 << 30, n: int = 8192, repeats: int = 10) -> dict:
+    """The GPU's copy bandwidth (bytes/s: a copy of copy_bytes, read plus written) and bf16
+    matrix rate (FLOP/s: an n x n x n matmul), the best of `repeats` timed with CUDA events."""
+    import torch
+
+    def best_s(fn) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return min(times)
+
+    def copy_s() -> float:
+        src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        dst = torch.empty_like(src)
+        return best_s(lambda: dst.copy_(src))
+
+    def matmul_s() -> float:
+        x, y = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        return best_s(lambda: x @ y)
+
+    bw, rate = 2 * copy_bytes / copy_s(), 2 * n**3 / matmul_s()
+    torch.cuda.empty_cache()  # the buffers are gone with the functions' frames
+    return {"copy_bandwidth_bytes_per_s": bw, "bf16_matmul_flops_per_s": rate, "copy_bytes": copy_bytes,
+            "matmul_n": n}
+
+
+def phase_steps(phase: str, args, budget: int) -> list:
+    """The steps (floor.Step) one profiled step of `phase` stands for: the whole prefill of the
+    batch as the scheduler chunks it; each decode step (averaged over the decode steps); a
+    mixed step (the decodes at the middle of their contexts plus one prompt)."""
+    if phase == "prefill":
+        return floor.packed_prefill_steps(args.batch_size, args.input_len, budget)
+    if phase == "decode":
+        return [floor.Step.decode(args.batch_size, args.input_len + j) for j in range(args.decode_steps)]
+    return [floor.Step.mixed(args.mixed_decodes, 64 + 2 * args.decode_steps, args.input_len)]
+
+
+def add_floor(res: dict, shape, args, budget: int, hw: dict) -> None:
+    """Each phase's floor table (floor.table_rows) against its measured kernel groups, in res."""
+    bw, rate = hw["copy_bandwidth_bytes_per_s"], hw["bf16_matmul_flops_per_s"]
+    for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
+        steps = phase_steps(phase, args, budget)
+        cost = floor.steps_cost(shape, steps)
+        per = 1 if phase == "prefill" else len(steps)  # decode: the average step
+        cost = floor.StepCost({g: v / per for g, v in cost.bytes.items()}, {g: v / per for g, v in cost.flops.items()})
+        res[phase]["floor"] = {"engine_steps": len(steps) if phase == "prefill" else 1,
+                               "rows": floor.table_rows(cost, bw, rate, res[phase]["group_us_per_step"])}
 
 
 def _host_summary(prof, steps: int) -> dict:
@@ -156,7 +243,7 @@ def _mixed_phase(llm, args, rng) -> dict:
     return res
 
 
-def profile_mode(model: str, mode: str, args) -> dict:
+def profile_mode(model: str, mode: str, args, hw: dict | None = None) -> dict:
     import numpy as np
     import torch
 
@@ -183,6 +270,10 @@ def profile_mode(model: str, mode: str, args) -> dict:
            "decode": _summary(_diff(full, pre), args.decode_steps, full_wall - pre_wall)}
     if args.mixed_decodes:
         res["mixed"] = _mixed_phase(llm, args, rng)
+    runner = llm.llm_engine.runner
+    if hw is not None:
+        shape = floor.model_shape(runner.model, ssm_itemsize=runner.ssm_dtype.itemsize)
+        add_floor(res, shape, args, runner.max_num_batched_tokens, hw)
     for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
         s = res[phase]
         extra = f", unprofiled wall {s['wall_ms_per_step_unprofiled']:.3f} ms/step" if phase == "mixed" else ""
@@ -199,6 +290,11 @@ def profile_mode(model: str, mode: str, args) -> dict:
             for row in s["python_cumulative"]:
                 print(f"    python cum {row['cum_us_per_step']:9.1f} us self {row['self_us_per_step']:8.1f} us "
                       f"x{row['calls_per_step']:7.1f}  {row['function'][:90]}")
+        if "floor" in s:
+            launches = " ".join(f"{g} {n:.0f}" for g, n in sorted(s["group_launches_per_step"].items()))
+            title = (f"[{model} {mode} {phase} floor] {s['floor']['engine_steps']} engine step(s); "
+                     f"{s['kernels_per_step']:.0f} launches per step ({launches})")
+            print(floor.format_table(title, s["floor"]["rows"]))
     del llm
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -215,16 +311,22 @@ def main() -> int:
     ap.add_argument("--mixed-decodes", type=int, default=0,
                     help="also profile steps of this many decodes plus one new prompt of --input-len tokens")
     ap.add_argument("--share", type=float, default=0.4, help="gpu_memory_utilization of each engine")
+    ap.add_argument("--no-floor", action="store_true", help="skip the hardware measurement and floor tables")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
     import torch
 
     model = args.model if os.path.exists(args.model) else str(REPO / "benchmarks" / "configs" / f"{args.model}.json")
+    hw = None if args.no_floor or not torch.cuda.is_available() else measure_hardware()
+    if hw:
+        print(f"[hardware] copy {hw['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+              f"{hw['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model,
+              "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "hardware": hw,
               "input_len": args.input_len,
               "batch_size": args.batch_size, "decode_steps": args.decode_steps, "modes": {}}
     for mode in args.modes.split(","):
-        result["modes"][mode] = profile_mode(model, mode, args)
+        result["modes"][mode] = profile_mode(model, mode, args, hw)
         if args.output_json:
             Path(args.output_json).write_text(json.dumps(result, indent=1))
     return 0
