@@ -154,14 +154,16 @@ class NemotronHForCausalLM(HybridForCausalLM):
             self.default_mamba_ssm_cache_dtype = None if ssm_dtype == "auto" else ssm_dtype  # None: model dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)  # (T, hidden)
-        for layer in self.backbone.layers:
-            x = layer.norm(h)
-            if layer.kind == "mamba":
+        h = self.backbone.embeddings(input_ids)  # (T, hidden), the residual stream
+        layers = self.backbone.layers
+        x = layers[0].norm(h)
+        for i, layer in enumerate(layers):
+            if layer.kind == "mamba":  # partials: out_proj's split sums are left to the add_and_norm kernel
                 x = layer.mixer(x, ctx)
             elif layer.kind == "attention":
                 x = layer.mixer(positions, x, ctx)
             else:
                 x = layer.mixer(x)
-            h = h + x
-        return self.backbone.norm_f(h)
+            following = layers[i + 1].norm if i + 1 < len(layers) else self.backbone.norm_f
+            x = following.add_and_norm(x, h)  # h += x; x = norm(h): one kernel
+        return x

@@ -186,13 +186,30 @@ class Zamba2ForCausalLM(HybridForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         e = self.model.embed_tokens(input_ids)  # (T, hidden)
-        h = e
+        h = None  # the residual stream, once it is no longer e itself (then added into in place)
+        pending = None  # the last Mamba mixer's output, not yet added to the stream
         for layer in self.model.layers:
             if isinstance(layer, _HybridLayer):
-                t = self.model.blocks[layer.block_id](positions, h, e, ctx, layer.depth)
+                if pending is not None:  # the shared block reads the stream itself
+                    h, pending = (e if h is None else h) + pending, None
+                stream = e if h is None else h
+                t = self.model.blocks[layer.block_id](positions, stream, e, ctx, layer.depth)
                 t = layer.linear(t)
                 mamba = layer.mamba_decoder
-                h = h + mamba.mamba(mamba.input_layernorm(h + t), ctx)
+                pending = mamba.mamba(mamba.input_layernorm(stream + t), ctx)
             else:
-                h = h + layer.mamba(layer.input_layernorm(h), ctx)
-        return self.model.final_layernorm(h)
+                x, h = _add_and_norm(layer.input_layernorm, pending, h, e)
+                pending = layer.mamba(x, ctx)
+        return _add_and_norm(self.model.final_layernorm, pending, h, e)[0]
+
+
+def _add_and_norm(norm: RMSNorm, pending: torch.Tensor | None, h: torch.Tensor | None, e: torch.Tensor):
+    """(norm(stream + pending), the stream with pending added): h += pending and its norm in one
+    kernel, except while the stream is still the embeddings e (h None), which the shared blocks
+    read unchanged: then the first add makes the stream a new tensor."""
+    if pending is None:
+        return norm(e if h is None else h), h
+    if h is None:
+        h = e + pending
+        return norm(h), h
+    return norm.add_and_norm(pending, h), h
