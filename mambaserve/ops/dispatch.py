@@ -4,6 +4,10 @@ On CUDA tensors an op runs its Triton kernel; everywhere else the reference of
 `mambaserve.ops.reference`. `backend("reference" | "triton" | "auto")` forces one inside a
 `with` block, in the calling thread (tests run "triton" on CPU tensors under TRITON_INTERPRET=1).
 
+`unfused()` turns the decode-step fusions off inside a `with` block, in the calling thread (the
+router's logits and top-k in one launch, the Mamba2 gated norm folded into out_proj): the
+reference that the fused paths are measured and tested against (same math, more launches).
+
 Also `triton` and `tl` for the kernel files: the real modules where Triton is installed (it is
 a Linux-only dependency), else stand-ins under which the kernel files still import and the
 reference backend runs alone (launching a kernel then raises RuntimeError).
@@ -65,6 +69,25 @@ def backend(name: str) -> Iterator[None]:
         yield
     finally:
         _local.backend = previous
+
+
+def fusions_enabled() -> bool:
+    """Whether ops (and the layers that ask) take their fused decode paths in this thread:
+    True unless inside `unfused()`."""
+    return not getattr(_local, "unfused", False)
+
+
+@contextlib.contextmanager
+def unfused() -> Iterator[None]:
+    """Inside the block, the fused decode paths are off in this thread: each op and layer takes
+    its unfused kernels (the same results up to float32 summation order). Graphs captured
+    inside the block keep the unfused launches."""
+    previous = getattr(_local, "unfused", False)
+    _local.unfused = True
+    try:
+        yield
+    finally:
+        _local.unfused = previous
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ import torch
 from mambaserve.ops import reference
 from mambaserve.ops.activation import _silu_mul_kernel
 from mambaserve.ops.common import TL_DTYPES, check, next_power_of_2
-from mambaserve.ops.dispatch import tl, triton, use_triton
+from mambaserve.ops.dispatch import fusions_enabled, tl, triton, use_triton
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
@@ -277,7 +277,45 @@ def _router_topk_kernel(part_ptr, w_ptr, ids_ptr, num_experts, num_splits,
                 RENORMALIZE)
 
 
-# Up to this many tokens the router runs as two small kernels of our own (split product, top-k).
+@triton.jit
+def _router_fused_kernel(x_ptr, rw_ptr, part_ptr, count_ptr, w_ptr, ids_ptr, hidden, num_experts, stride_x,
+                         stride_rw, OUT_DTYPE: tl.constexpr, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E_ALL: tl.constexpr,
+                         RENORMALIZE: tl.constexpr):
+    """`_router_logits_kernel` and `_router_topk_kernel` in one launch: each program stores its
+    partial product, then counts itself done on its token's counter; the token's last program
+    (the one that reads the count programs - 1) sums the partials in order, takes the top-k
+    and sets the counter back to 0 for the next call (no memset, graph-safe)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    s = tl.program_id(2)
+    splits = tl.num_programs(2)
+    offs_h = s * BLOCK_H + tl.arange(0, BLOCK_H)
+    e_mask = offs_e < num_experts
+    h_mask = offs_h < hidden
+    xv = tl.load(x_ptr + t * stride_x + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+    w = tl.load(rw_ptr + offs_e.to(tl.int64)[:, None] * stride_rw + offs_h[None, :],
+                mask=e_mask[:, None] & h_mask[None, :], other=0.0).to(tl.float32)
+    tl.store(part_ptr + (t * splits + s) * num_experts + offs_e, tl.sum(w * xv[None, :], axis=1), mask=e_mask)
+    tl.debug_barrier()  # every thread's partial is stored before the program counts itself done
+    # acq_rel: the stores above are released with the count, and the last program acquires all of them
+    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel")
+    if done == tl.num_programs(1) * splits - 1:
+        tl.debug_barrier()
+        offs = tl.arange(0, BLOCK_E_ALL)
+        all_mask = offs < num_experts
+        row = tl.zeros([BLOCK_E_ALL], dtype=tl.float32)
+        for j in range(splits):  # in order, as `_router_topk_kernel` sums them: the same logits
+            row += tl.load(part_ptr + (t * splits + j) * num_experts + offs, mask=all_mask, other=0.0,
+                           cache_modifier=".cg")  # from L2: other programs wrote them
+        row = tl.where(all_mask, row.to(OUT_DTYPE).to(tl.float32), float("-inf"))
+        _store_topk(row, offs, num_experts, w_ptr, ids_ptr, t * (TOP_K + NUM_SHARED), TOP_K, NUM_SHARED,
+                    BLOCK_E_ALL, RENORMALIZE)
+        tl.store(count_ptr + t, 0)
+
+
+# Up to this many tokens the router runs as small kernels of our own (split product, top-k): one launch, or two
+# under `unfused()` (or while its counters are not yet allocated and a graph is being captured).
 ROUTER_FUSED_MAX_TOKENS = 16
 TOPK_MAX_EXPERTS = 1024  # widest row the top-k kernel takes (registers); wider rows: the reference
 
@@ -328,8 +366,9 @@ def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dt
     x: (num_tokens, hidden); router_weight: (num_experts, hidden). Returns (weights, ids), each
     (num_tokens, top_k + num_shared), as `topk_softmax`. On the Triton path (router_weight in
     x's dtype) a step of at most ROUTER_FUSED_MAX_TOKENS tokens runs the product split over
-    many programs and then the top-k (two launches, where cuBLAS takes two for the product
-    alone); more tokens: cuBLAS, then `topk_softmax`. Math: `reference.router_topk`. Raises
+    many programs, the last of each token's programs taking its top-k: one launch (two under
+    `ops.unfused()`, the same numbers), where cuBLAS takes two for the product alone; more
+    tokens: cuBLAS, then `topk_softmax`. Math: `reference.router_topk`. Raises
     ValueError on bad shapes, top_k not in [1, num_experts] or num_shared < 0.
     """
     check(x.dim() == 2 and router_weight.dim() == 2 and router_weight.shape[1] == x.shape[1],
@@ -352,13 +391,39 @@ def router_topk(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, out_dt
         be, bh = (16, 512) if on_gpu else (8, 32)
         splits = triton.cdiv(hidden, bh)
         part = torch.empty(num_tokens, splits, num_experts, dtype=torch.float32, device=x.device)
-        _router_logits_kernel[(num_tokens, triton.cdiv(num_experts, be), splits)](
+        grid = (num_tokens, triton.cdiv(num_experts, be), splits)
+        counts = _router_counters(x.device) if fusions_enabled() else None
+        if counts is not None:
+            _router_fused_kernel[grid](
+                x, router_weight, part, counts, weights, ids, hidden, num_experts, x.stride(0),
+                router_weight.stride(0), OUT_DTYPE=TL_DTYPES[x.dtype], TOP_K=int(top_k), NUM_SHARED=int(num_shared),
+                BLOCK_E=be, BLOCK_H=bh, BLOCK_E_ALL=block_e, RENORMALIZE=bool(renormalize),
+                num_warps=2 if block_e <= 64 else 4)
+            return weights, ids
+        _router_logits_kernel[grid](
             x, router_weight, part, hidden, num_experts, x.stride(0), router_weight.stride(0), BLOCK_E=be, BLOCK_H=bh)
         _router_topk_kernel[(num_tokens,)](
             part, weights, ids, num_experts, splits, OUT_DTYPE=TL_DTYPES[x.dtype], TOP_K=int(top_k),
             NUM_SHARED=int(num_shared), BLOCK_E=block_e, RENORMALIZE=bool(renormalize),
             num_warps=2 if block_e <= 64 else 4)
     return weights, ids
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _router_counters(device: torch.device) -> torch.Tensor | None:
+    """The fused router's per-token counters on `device` (int32 zeros, ROUTER_FUSED_MAX_TOKENS of
+    them), allocated once and left at zero by every launch. One set per device: calls on a device
+    run one after another on its stream (every layer's router, every graph replay). None while a
+    CUDA graph is being captured before they exist (an allocation there would belong to the graph's
+    pool): that capture takes the two-launch path."""
+    counts = _COUNTERS.get(device)
+    if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTERS[device] = torch.zeros(ROUTER_FUSED_MAX_TOKENS, dtype=torch.int32, device=device)
+    return counts
 
 
 # Up to this many routed (token, expert) pairs, the direct kernels beat sorting and grouping:
