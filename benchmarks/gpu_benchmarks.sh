@@ -21,6 +21,10 @@
 #                      latency at 1,024 and 31,500 in / 128 out (prefill and decode apart), throughput (128 x
 #                      1,024 / 128), 32k-token requests that fit with kv_cache_dtype auto vs fp8; one JSON per
 #                      model (set MAMBASERVE_COMMIT: the copy has no .git; ~8 min)
+#   step-floor         benchmarks/profile_step.py with its floor tables (benchmarks/floor.py): granite-4.0-tiny-preview
+#                      decode and prefill at 1,024 and 31,500 in, bamba-9b decode at batch 1 and 32, the decode-step
+#                      fusions on and off (graphed-unfused: the launches before them); then bench latency granite
+#                      31,500 / 128 / batch 1 (set MAMBASERVE_COMMIT: the copy has no .git; ~8 min)
 # Afterwards, in the checkout: `python3 benchmarks/file_results.py OUT/*.json --commit HASH` files the
 # latency and throughput records (and bench-models.json) under benchmarks/results/<gpu>/; kernel and
 # profile records go by hand to <gpu>/kernels/ and <gpu>/profiles/ (benchmarks/results/README.md).
@@ -109,6 +113,21 @@ case "${1:-}" in
     timeout 90 python3 benchmarks/profile_step.py --model granite-4.0-tiny-preview --modes graphed \
       --output-json "$OUT/profile-granite-4.0-tiny-preview-in1024-bs1.json" 2>&1 | grep -E "^\[|^ "
     ;;
-  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps|structured-outputs|prefix-caching" >&2; exit 2 ;;
+  step-floor)
+    # one engine per mode and run (graphed; graphed-unfused inside ops.unfused()); the per-kernel rows are left out
+    # of the printout (they are in the JSON), the floor tables and summaries kept
+    for run in "granite-4.0-tiny-preview 1024 1 graphed,graphed-unfused 110" "granite-4.0-tiny-preview 31500 1 graphed 110" \
+               "bamba-9b 1024 1 graphed,graphed-unfused 150" "bamba-9b 1024 32 graphed 110"; do
+      set -- $run
+      timeout "$5" python3 benchmarks/profile_step.py --model "$1" --input-len "$2" --batch-size "$3" --modes "$4" \
+        --decode-steps 16 --share 0.45 --output-json "$OUT/floor-$1-in$2-bs$3.json" 2>&1 \
+        | grep -vE "^ +[0-9.]+ us +x" | grep -vE "Warning|warn\(" | cut -c1-170
+    done
+    timeout 100 $BENCH latency --model benchmarks/configs/granite-4.0-tiny-preview.json $DUMMY --input-len 31500 \
+      --output-len 128 --batch-size 1 --num-iters-warmup 3 --num-iters 3 --max-model-len 32768 \
+      --output-json "$OUT/latency-granite-4.0-tiny-preview-in31500-out128-bs1.json" 2>&1 \
+      | grep -E "^Avg latency|decode time|prefill|Error" | sed "s/^/[granite in31500 out128 bs1] /"
+    ;;
+  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps|structured-outputs|prefix-caching|step-floor" >&2; exit 2 ;;
 esac
 echo "results in $OUT"

@@ -244,6 +244,17 @@ def _mixed_phase(llm, args, rng) -> dict:
 
 
 def profile_mode(model: str, mode: str, args, hw: dict | None = None) -> dict:
+    """One engine in `mode` ("eager" or "graphed", either with "-unfused": the engine built and run
+    inside `ops.unfused()`, the decode-step fusions off: the launches before them)."""
+    from mambaserve import ops
+
+    if mode.endswith("-unfused"):
+        with ops.unfused():
+            return _profile_mode(model, mode.removesuffix("-unfused"), args, hw, mode)
+    return _profile_mode(model, mode, args, hw, mode)
+
+
+def _profile_mode(model: str, mode: str, args, hw: dict | None, label: str) -> dict:
     import numpy as np
     import torch
 
@@ -254,6 +265,8 @@ def profile_mode(model: str, mode: str, args, hw: dict | None = None) -> dict:
               max_model_len=max(args.input_len, 64 + 3 * args.decode_steps) + args.decode_steps + 16,
               gpu_memory_utilization=args.share,
               max_num_seqs=max(args.batch_size, args.mixed_decodes + args.decode_steps + 2, 8))
+    if mode not in ("eager", "graphed"):
+        raise ValueError(f"unknown mode {mode!r}: eager or graphed, each optionally with -unfused")
     if mode == "eager":
         kw["enforce_eager"] = True
     t0 = time.perf_counter()
@@ -274,10 +287,11 @@ def profile_mode(model: str, mode: str, args, hw: dict | None = None) -> dict:
     if hw is not None:
         shape = floor.model_shape(runner.model, ssm_itemsize=runner.ssm_dtype.itemsize)
         add_floor(res, shape, args, runner.max_num_batched_tokens, hw)
+    name = Path(model).stem
     for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
         s = res[phase]
         extra = f", unprofiled wall {s['wall_ms_per_step_unprofiled']:.3f} ms/step" if phase == "mixed" else ""
-        print(f"[{model} {mode} {phase}] wall {s['wall_ms_per_step']:.3f} ms/step, {s['kernels_per_step']:.1f} "
+        print(f"[{name} {label} {phase}] wall {s['wall_ms_per_step']:.3f} ms/step, {s['kernels_per_step']:.1f} "
               f"kernels/step, kernel time {s['kernel_ms_per_step']:.3f} ms/step{extra}")
         for row in s["top"][:25 if phase == "decode" else 15]:
             print(f"    {row['us_per_step']:9.1f} us  x{row['count_per_step']:6.1f}  {row['name'][:110]}")
@@ -292,7 +306,7 @@ def profile_mode(model: str, mode: str, args, hw: dict | None = None) -> dict:
                       f"x{row['calls_per_step']:7.1f}  {row['function'][:90]}")
         if "floor" in s:
             launches = " ".join(f"{g} {n:.0f}" for g, n in sorted(s["group_launches_per_step"].items()))
-            title = (f"[{model} {mode} {phase} floor] {s['floor']['engine_steps']} engine step(s); "
+            title = (f"[{name} {label} {phase} floor] {s['floor']['engine_steps']} engine step(s); "
                      f"{s['kernels_per_step']:.0f} launches per step ({launches})")
             print(floor.format_table(title, s["floor"]["rows"]))
     del llm
@@ -329,7 +343,25 @@ def main() -> int:
         result["modes"][mode] = profile_mode(model, mode, args, hw)
         if args.output_json:
             Path(args.output_json).write_text(json.dumps(result, indent=1))
+    for line in summary_lines(result):
+        print(line)
     return 0
+
+
+def summary_lines(result: dict) -> list[str]:
+    """One line per mode and phase: launches, kernel and wall time per step, the floor beside them."""
+    lines = []
+    for mode, res in result["modes"].items():
+        for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
+            s = res[phase]
+            line = (f"[summary {result['model']} in{result['input_len']} bs{result['batch_size']} {mode} {phase}] "
+                    f"{s['kernels_per_step']:.0f} launches/step, kernels {s['kernel_ms_per_step']:.3f} ms, "
+                    f"wall {s['wall_ms_per_step']:.3f} ms")
+            if "floor" in s:
+                floor_ms = s["floor"]["rows"][-1]["floor_us"] / 1e3
+                line += f", floor {floor_ms:.3f} ms (wall / floor {s['wall_ms_per_step'] / floor_ms:.2f})"
+            lines.append(line)
+    return lines
 
 
 if __name__ == "__main__":

@@ -25,6 +25,12 @@ def set_recorder(recorder) -> None:
     _recorder = recorder
 
 
+def recording() -> bool:
+    """Whether a piecewise capture is running (split ops become holes): a layer that would call
+    a state-dependent op outside `split_op` must not then."""
+    return _recorder is not None
+
+
 def split_op(fn: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...], ctx) -> torch.Tensor:
     """Run fn(*args, ctx), or record it as a piecewise-graph hole while a capture is running."""
     if _recorder is None:

@@ -35,7 +35,7 @@ from mambaserve import ops
 from mambaserve.cache.spec import CacheDtypes, MambaSpec
 from mambaserve.distributed import TensorParallelGroup, all_reduce, current_group
 from mambaserve.forward_context import ForwardContext
-from mambaserve.layers.graph_split import split_op
+from mambaserve.layers.graph_split import recording, split_op
 from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard, divide, set_shard
 
 
@@ -186,6 +186,8 @@ class Mamba2Mixer(nn.Module):
         at decode sizes out_proj then runs as one split-K launch whose reduction the norm does."""
         I = self.intermediate_size
         zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
+        if partials and self._norm_in_out_proj(ctx, zxbcdt.shape[0]):
+            return self._decode_norm_in_out_proj(zxbcdt, ctx)
         y = split_op(self.ssm, (zxbcdt,), ctx)  # (T, I); already times silu(z) without a norm
         if self.norm_spans_ranks and self.norm is not None:
             y = self._gated_norm_over_ranks(y, zxbcdt[:, :I])
@@ -193,6 +195,28 @@ class Mamba2Mixer(nn.Module):
             y = ops.rms_norm_gated(y, self.norm.weight, zxbcdt[:, :I], self.eps, group_size=self.group_size,
                                    norm_before_gate=self.norm_before_gate)
         return project_out(self.out_proj, y, partials)
+
+    def _norm_in_out_proj(self, ctx: ForwardContext, num_tokens: int) -> bool:
+        """Whether this step folds the gated norm into out_proj (`_decode_norm_in_out_proj`): a
+        decode-only step of split-K size, a norm of whole groups on this rank, no out_proj bias
+        or all-reduce, fusions on, and no piecewise capture (which must see the state update as
+        a split op)."""
+        return (ctx.decode_only and num_tokens <= ops.gemv_max_tokens() and self.norm is not None
+                and not self.norm_spans_ranks and self.tp_group.world_size == 1 and self.out_proj.bias is None
+                and ops.fusions_enabled() and not recording())
+
+    def _decode_norm_in_out_proj(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """A decode step whose gated norm runs in out_proj's prologue: the state update also
+        returns the norm's sums of squares, `ops.gated_norm_linear_partials` normalises and
+        projects (one launch fewer). zxbcdt: (T, I + conv_dim + H) -> (num_parts, T, hidden)."""
+        T, I = zxbcdt.shape[0], self.intermediate_size
+        z = zxbcdt[:, :I]
+        xBC = zxbcdt[:, I : I + self.conv_dim]
+        dt = zxbcdt[:, I + self.conv_dim :]
+        gate = None if self.norm_before_gate else z.view(T, self.num_heads, self.head_dim)
+        y, sq = self._decode_rows(xBC, dt, None, ctx.state_indices, ctx, norm_sq=True, norm_gate=gate)
+        return ops.gated_norm_linear_partials(y.view(T, I), z, sq, self.norm.weight, self.eps, self.group_size,
+                                              self.norm_before_gate, self.out_proj.weight)
 
     def _gated_norm_over_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """The gated norm of a group spread over several ranks (`rms_norm_gated`'s math in
@@ -245,14 +269,15 @@ class Mamba2Mixer(nn.Module):
         H, P, G, N, I = self.num_heads, self.head_dim, self.n_groups, self.d_state, self.intermediate_size
         return (xBC[:, :I].view(T, H, P), xBC[:, I : I + G * N].view(T, G, N), xBC[:, I + G * N :].view(T, G, N))
 
-    def _decode_rows(self, xBC, dt, z, state_indices, ctx: ForwardContext) -> torch.Tensor:
-        """One token per sequence, each with a state: conv update and state update, (n, H, P)."""
+    def _decode_rows(self, xBC, dt, z, state_indices, ctx: ForwardContext, **norm_sq) -> torch.Tensor:
+        """One token per sequence, each with a state: conv update and state update, (n, H, P)
+        (with `norm_sq`, ssd_state_update's norm_sq / norm_gate: also the norm's sums of squares)."""
         conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
         weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
         xBC = ops.causal_conv1d_update(xBC, conv_states, weight, self.conv1d.bias, state_indices)
         x, B, C = self._split_xbc(xBC)
         return ops.ssd_state_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, z, self.dt_bias,
-                                          state_indices, dt_softplus=True, dt_limit=self.dt_limit)
+                                    state_indices, dt_softplus=True, dt_limit=self.dt_limit, **norm_sq)
 
     def _prefill_rows(self, xBC, dt, z, ctx: ForwardContext) -> torch.Tensor:
         """Variable-length sequences of ctx: varlen conv and the chunked scan, (rows, H, P)."""

@@ -22,7 +22,7 @@ from mambaserve.ops.attention import AttentionPlan, paged_attention, plan_paged_
 from mambaserve.ops.conv1d import causal_conv1d, causal_conv1d_update
 from mambaserve.ops.dispatch import backend, current_backend, fusions_enabled, unfused
 from mambaserve.ops.fp8 import dequantize_fp8, fp8_linear, quantize_fp8
-from mambaserve.ops.gemv import gemv_max_tokens, linear_partials
+from mambaserve.ops.gemv import gated_norm_linear_partials, gemv_max_tokens, linear_partials
 from mambaserve.ops.layernorm_gated import fused_add_rms_norm, rms_norm_gated
 from mambaserve.ops.mamba1_scan import selective_scan, selective_scan_update
 from mambaserve.ops.moe import fused_moe, router_topk, topk_softmax
@@ -53,6 +53,7 @@ __all__ = [
     "fp8_linear",
     "quantize_fp8",
     "dequantize_fp8",
+    "gated_norm_linear_partials",
     "gemv_max_tokens",
     "silu_and_mul",
     "fused_moe",

@@ -8,7 +8,12 @@ by every row, and leaves the split partial sums (num_splits, num_tokens, N) in f
 reduction is folded into the consumer: `ops.fused_add_rms_norm` takes such partials as its
 input, so the residual add, the sum of the splits and the next norm are one kernel.
 
-Math: `reference.linear_partials`. This module knows nothing about models.
+`gated_norm_linear_partials` is the same product with a Mamba2 gated RMSNorm applied to x in
+its prologue: the norm's sums of squares come from the state update that produced x
+(`ssd_state_update(..., norm_sq=True)`), so the norm costs no launch of its own.
+
+Math: `reference.linear_partials` and `reference.rms_norm_gated`. This module knows nothing
+about models.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from __future__ import annotations
 import torch
 
 from mambaserve.ops import reference
-from mambaserve.ops.common import check
-from mambaserve.ops.dispatch import tl, triton, use_triton
+from mambaserve.ops.common import check, check_positive_int, next_power_of_2
+from mambaserve.ops.dispatch import fusions_enabled, tl, triton, use_triton
+from mambaserve.ops.layernorm_gated import rms_norm_gated
 
 MAX_TOKENS = 16  # more rows than this: a tensor-core matrix product is the better tool
 
@@ -38,6 +44,42 @@ def _linear_partials_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, num_tokens, N, K, str
         w = w * tl.load(ws_ptr + offs_n, mask=n_mask, other=0.0)[:, None]
     for t in range(num_tokens):
         xv = tl.load(x_ptr + t * stride_x + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + s * stride_os + t * stride_ot + offs_n, tl.sum(w * xv[None, :], axis=1), mask=n_mask)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _gated_norm_linear_partials_kernel(
+    y_ptr, z_ptr, sq_ptr, nw_ptr, w_ptr, out_ptr, num_tokens, N, K, group_size, sq_per_group, eps,
+    stride_y, stride_z, stride_sq, stride_w, stride_os, stride_ot,
+    NORM_BEFORE_GATE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_SQ: tl.constexpr,
+):
+    """`_linear_partials_kernel` whose x is rms_norm_gated(y, z) computed in the prologue, as the
+    norm kernel computes it (same order of operations, rounded to y's dtype). BLOCK_K divides
+    group_size: a program's K-block lies in one group g, whose sum of squares is the sum of the
+    sq_per_group parts sq[t, g * sq_per_group:]."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    s = tl.program_id(1)
+    offs_k = s * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = offs_n < N
+    k_mask = offs_k < K
+    w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_w + offs_k[None, :],
+                mask=n_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    g = (s * BLOCK_K) // group_size
+    offs_q = tl.arange(0, BLOCK_SQ)
+    q_mask = offs_q < sq_per_group
+    for t in range(num_tokens):
+        ss = tl.sum(tl.load(sq_ptr + t * stride_sq + g * sq_per_group + offs_q, mask=q_mask, other=0.0), axis=0)
+        rstd = 1.0 / tl.sqrt(ss / group_size + eps)
+        v = tl.load(y_ptr + t * stride_y + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        zv = tl.load(z_ptr + t * stride_z + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        if NORM_BEFORE_GATE:
+            xv = v * rstd * nw
+            xv = xv * zv * tl.sigmoid(zv)
+        else:
+            v = v * zv * tl.sigmoid(zv)
+            xv = v * rstd * nw
+        xv = xv.to(y_ptr.dtype.element_ty).to(tl.float32)  # the norm's output, as stored for out_proj
         tl.store(out_ptr + s * stride_os + t * stride_ot + offs_n, tl.sum(w * xv[None, :], axis=1), mask=n_mask)
 
 
@@ -84,4 +126,66 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
             x, weight, out, weight_scale.float().contiguous() if scaled else out, num_tokens, N, K, x.stride(0),
             weight.stride(0), out.stride(0), out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, SCALED=scaled,
             num_warps=4)
+    return out
+
+
+def _norm_block_k(group_size: int, cap: int) -> int:
+    """The largest power of two <= cap dividing group_size: a K-block inside one norm group."""
+    return min(cap, group_size & -group_size)
+
+
+def gated_norm_linear_partials(
+    y: torch.Tensor,
+    z: torch.Tensor,
+    sq: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool,
+    weight: torch.Tensor,
+) -> torch.Tensor:
+    """`linear_partials(rms_norm_gated(y, norm_weight, z, eps, group_size, norm_before_gate),
+    weight)` in one launch: the Mamba2 gated norm in the prologue of out_proj's split-K product
+    (a decode step's mixer: state update -> this -> the residual add and next norm).
+
+    y, z: (num_tokens, K) (z any row stride); norm_weight: (K,); weight: (N, K); group_size a
+    positive int dividing K; sq: (num_tokens, nheads, parts) float32, the sums of squares of
+    the gated y that `ssd_state_update(..., norm_sq=True, norm_gate=z or None)` returns beside
+    y, nheads a multiple of K // group_size (the heads of group g are g * nheads / groups
+    onwards). Returns (num_splits, num_tokens, N) float32 partial sums, as `linear_partials`.
+    The one-launch path: Triton, at most MAX_TOKENS rows, weight in y's dtype, a power-of-two
+    block of at least 8 features dividing group_size, fusions on (`ops.unfused()`); otherwise
+    (the reference included) the two ops themselves, which recompute the sums from y.
+    Math: `reference.rms_norm_gated`, `reference.linear_partials`. Raises ValueError on bad shapes.
+    """
+    check(y.dim() == 2 and z.shape == y.shape, lambda: f"y and z must be (num_tokens, K), got {tuple(y.shape)}, "
+                                                       f"{tuple(z.shape)}")
+    T, K = y.shape
+    group_size = check_positive_int(group_size, "group_size")
+    check(K % group_size == 0, lambda: f"K ({K}) must be a multiple of group_size ({group_size})")
+    check(norm_weight.shape == (K,), lambda: f"norm_weight must be ({K},), got {tuple(norm_weight.shape)}")
+    check(weight.dim() == 2 and weight.shape[1] == K, lambda: f"weight must be (N, {K}), got {tuple(weight.shape)}")
+    groups = K // group_size
+    check(sq.dim() == 3 and sq.shape[0] == T and sq.shape[1] % groups == 0,
+          lambda: f"sq must be ({T}, nheads, parts) with nheads a multiple of {groups}, got {tuple(sq.shape)}")
+    block_k = _norm_block_k(group_size, 512 if y.is_cuda else 32)
+    fused = (use_triton(y) and fusions_enabled() and weight.dtype == y.dtype and T <= MAX_TOKENS and block_k >= 8
+             and sq.dtype == torch.float32)
+    if not fused:
+        return linear_partials(rms_norm_gated(y, norm_weight, z, eps, group_size, norm_before_gate), weight)
+    y = y if y.stride(1) == 1 else y.contiguous()
+    z = z if z.stride(1) == 1 else z.contiguous()
+    sq = sq.contiguous()
+    weight = weight if weight.stride(1) == 1 else weight.contiguous()
+    N = weight.shape[0]
+    block_n = 16 if y.is_cuda else 8
+    splits = triton.cdiv(K, block_k)
+    out = torch.empty(splits, T, N, dtype=torch.float32, device=y.device)
+    sq_per_group = sq.shape[1] // groups * sq.shape[2]
+    if T and N:
+        _gated_norm_linear_partials_kernel[(triton.cdiv(N, block_n), splits)](
+            y, z, sq, norm_weight.contiguous(), weight, out, T, N, K, group_size, sq_per_group, float(eps),
+            y.stride(0), z.stride(0), sq.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+            NORM_BEFORE_GATE=bool(norm_before_gate), BLOCK_N=block_n, BLOCK_K=block_k,
+            BLOCK_SQ=next_power_of_2(sq_per_group), num_warps=4)
     return out

@@ -31,6 +31,7 @@ STATE_UPDATE_CONFIG = {"block_p": 16, "num_warps": 4}
 @triton.jit
 def _ssd_state_update_kernel(
     state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, dt_bias_ptr, y_ptr, state_idx_ptr,
+    sq_ptr, gate_ptr,
     nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
     stride_s_slot, stride_s_h, stride_s_p, stride_s_n,
     stride_x_b, stride_x_h, stride_x_p,
@@ -39,9 +40,14 @@ def _ssd_state_update_kernel(
     stride_C_b, stride_C_g, stride_C_n,
     stride_z_b, stride_z_h, stride_z_p,
     stride_y_b, stride_y_h, stride_y_p,
+    stride_g_b, stride_g_h, stride_g_p,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_DT_LIMIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DT_LIMIT: tl.constexpr, HAS_SQ: tl.constexpr, SQ_GATED: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # HAS_SQ: also sq[b, h, pid_p] = sum over this program's rows of v^2, v = y as stored (rounded)
+    # times silu(gate) when SQ_GATED: the gated RMSNorm's sum of squares, in parts, for a consumer
+    # that applies the norm itself (`gemv.gated_norm_linear_partials`).
     pid_p = tl.program_id(0)  # fastest: neighbouring programs stream neighbouring state rows
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -77,6 +83,14 @@ def _ssd_state_update_kernel(
         z = tl.load(z_ptr + b * stride_z_b + h * stride_z_h + p * stride_z_p, mask=p_mask, other=0.0).to(tl.float32)
         y = y * z * tl.sigmoid(z)
     tl.store(y_ptr + b * stride_y_b + h * stride_y_h + p * stride_y_p, y.to(y_ptr.dtype.element_ty), mask=p_mask)
+    if HAS_SQ:
+        v = y.to(y_ptr.dtype.element_ty).to(tl.float32)
+        if SQ_GATED:
+            gz = tl.load(gate_ptr + b * stride_g_b + h * stride_g_h + p * stride_g_p, mask=p_mask,
+                         other=0.0).to(tl.float32)
+            v = v * gz * tl.sigmoid(gz)  # the norm kernel's order of operations
+        v = tl.where(p_mask, v, 0.0)
+        tl.store(sq_ptr + (b * nheads + h) * tl.num_programs(0) + pid_p, tl.sum(v * v, axis=0))
     if slot >= 0:
         tl.debug_barrier()  # every thread has read its part of the tile before any write
         tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_mask, eviction_policy="evict_first")
@@ -95,7 +109,10 @@ def ssd_state_update(
     state_indices: torch.Tensor,
     dt_softplus: bool = True,
     dt_limit: tuple[float, float] = (0.0, math.inf),
-) -> torch.Tensor:
+    *,
+    norm_sq: bool = False,
+    norm_gate: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One Mamba2 (SSD) recurrence step per sequence (decode), in place on the state pool; the
     Mamba-1 step is `selective_scan_update`. No plan and no host sync: safe inside CUDA graphs.
 
@@ -105,31 +122,44 @@ def ssd_state_update(
     state_indices: (batch,) int32, -1 = padding (y from a zero state, no slot touched). Any
     strides. Returns y (batch, nheads, headdim) in x.dtype. Math: `ssd_chunk_scan`'s, one
     step; `reference.ssd_state_update`. Raises ValueError on inconsistent shapes.
+
+    norm_sq=True also returns the sums of squares a gated RMSNorm of y needs, so that its
+    consumer (`ops.gated_norm_linear_partials`) applies the norm without a launch of its own:
+    (y, sq) with sq (batch, nheads, parts) float32 (float64 for float64 x): sq[b, h].sum() is
+    the sum over head h's features of v^2, v = y as returned (rounded to x.dtype) times
+    silu(norm_gate) (norm_gate: like x, any strides; None: v = y, the norm before its gate).
+    parts is the launch's split of headdim (1 on the reference).
     """
     check_ssd_operands(x, dt, A, B, C, D, z, dt_bias, ssm_states)
     check(state_indices.shape == (x.shape[0],),
           lambda: f"state_indices must be ({x.shape[0]},), got {tuple(state_indices.shape)}")
+    check(norm_gate is None or (norm_sq and norm_gate.shape == x.shape),
+          "norm_gate must have the shape of x, and is read only with norm_sq=True")
     if not use_triton(x):
-        return reference.ssd_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus,
-                                          dt_limit)
+        y = reference.ssd_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus,
+                                       dt_limit)
+        return (y, reference.gated_sum_of_squares(y, norm_gate)) if norm_sq else y
     batch, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     y = torch.empty((batch, nheads, headdim), dtype=x.dtype, device=x.device)
-    if batch == 0:
-        return y
-    has_limit, lo, hi = dt_limit_args(dt_limit)
     cfg = STATE_UPDATE_CONFIG
     block_p = min(cfg["block_p"], max(16, next_power_of_2(headdim)))
+    parts = triton.cdiv(headdim, block_p)
+    sq = torch.empty((batch, nheads, parts), dtype=torch.float32, device=x.device) if norm_sq else None
+    if batch == 0:
+        return (y, sq) if norm_sq else y
+    has_limit, lo, hi = dt_limit_args(dt_limit)
     zz = z if z is not None else x
-    grid = (triton.cdiv(headdim, block_p), nheads, batch)
+    gate = norm_gate if norm_gate is not None else x
+    grid = (parts, nheads, batch)
     _ssd_state_update_kernel[grid](
         ssm_states, x, dt, A, B, C, D if D is not None else A, zz,
-        dt_bias if dt_bias is not None else A, y, state_indices,
+        dt_bias if dt_bias is not None else A, y, state_indices, sq if norm_sq else y, gate,
         nheads, headdim, dstate, nheads // ngroups, lo, hi,
         *ssm_states.stride(), *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *zz.stride(),
-        *y.stride(),
+        *y.stride(), *gate.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=bool(dt_softplus), HAS_DT_LIMIT=has_limit,
+        DT_SOFTPLUS=bool(dt_softplus), HAS_DT_LIMIT=has_limit, HAS_SQ=norm_sq, SQ_GATED=norm_gate is not None,
         BLOCK_P=block_p, BLOCK_N=max(16, next_power_of_2(dstate)), num_warps=cfg["num_warps"],
     )
-    return y
+    return (y, sq) if norm_sq else y
