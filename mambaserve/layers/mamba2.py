@@ -208,7 +208,11 @@ class Mamba2Mixer(nn.Module):
     def _decode_norm_in_out_proj(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """A decode step whose gated norm runs in out_proj's prologue: the state update also
         returns the norm's sums of squares, `ops.gated_norm_linear_partials` normalises and
-        projects (one launch fewer). zxbcdt: (T, I + conv_dim + H) -> (num_parts, T, hidden)."""
+        projects (one launch fewer). zxbcdt: (T, I + conv_dim + H) -> (num_parts, T, hidden).
+        The conv update stays a launch of its own: every state-update program of a group reads
+        that group's B and C channels after the conv, so folding the conv in would have one
+        program shift a conv state that others still read (and the norm cannot move into the
+        state update's epilogue: a group's features span heads x headdim programs)."""
         T, I = zxbcdt.shape[0], self.intermediate_size
         z = zxbcdt[:, :I]
         xBC = zxbcdt[:, I : I + self.conv_dim]
