@@ -262,7 +262,8 @@ def model_shape(model: torch.nn.Module, conv_itemsize: int | None = None, ssm_it
     Jamba's `SparseMoeBlock`); every other parameter is an always-read weight, grouped by name
     (`_param_group`). State and KV element sizes default to the model dtype's (lm_head's).
     Raises ValueError for a model with a layer the floor does not model (Mamba-1 mixers,
-    ungated per-expert MoEs), rather than a floor that leaves its bytes out.
+    ungated per-expert MoEs, blocks shared by several depths), rather than a floor that leaves
+    their bytes or FLOPs out.
     """
     from mambaserve.layers.attention import Attention
     from mambaserve.layers.mamba1 import MambaMixer as Mamba1Mixer
@@ -283,9 +284,9 @@ def model_shape(model: torch.nn.Module, conv_itemsize: int | None = None, ssm_it
                                           mod.conv_kernel, mod.chunk_size, conv_itemsize or item,
                                           ssm_itemsize or item))
         elif isinstance(mod, Attention):
-            for _ in mod.cache_indices:  # a shared block runs once per depth, each with its own cache
-                shape.attention.append(AttentionLayer(mod.num_heads, mod.num_kv_heads, mod.head_dim,
-                                                      kv_itemsize or item))
+            if len(mod.cache_indices) > 1:
+                raise ValueError("the floor does not model shared blocks (Zamba2's: weights used at several depths)")
+            shape.attention.append(AttentionLayer(mod.num_heads, mod.num_kv_heads, mod.head_dim, kv_itemsize or item))
         elif isinstance(mod, (GraniteMoE, SparseMoeBlock)):
             if isinstance(mod, GraniteMoE):
                 E, k, tensors = mod.router.layer.weight.shape[0], mod.top_k, [mod.input_linear.weight,

@@ -158,7 +158,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
         layers = self.backbone.layers
         x = layers[0].norm(h)
         for i, layer in enumerate(layers):
-            if layer.kind == "mamba":  # partials: out_proj's split sums are left to the add_and_norm kernel
+            if layer.kind == "mamba":
                 x = layer.mixer(x, ctx)
             elif layer.kind == "attention":
                 x = layer.mixer(positions, x, ctx)

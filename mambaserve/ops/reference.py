@@ -224,16 +224,6 @@ def ssd_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, d
     return y.to(x.dtype)
 
 
-def gated_sum_of_squares(y, gate=None):
-    """The sums of squares `ssd_state_update(..., norm_sq=True)` returns beside y: per row and
-    head, sum over features of (y * silu(gate))^2 (or y^2 without a gate) in float32 (float64
-    for float64 y). y, gate: (batch, nheads, headdim) -> (batch, nheads, 1)."""
-    v = y.to(_compute_dtype(y))
-    if gate is not None:
-        v = v * F.silu(gate.to(v.dtype))
-    return v.pow(2).sum(-1, keepdim=True)
-
-
 def selective_scan(x, dt, A, B, C, D, z, dt_bias, ssm_states, query_start_loc, state_indices, has_initial_state,
                    dt_softplus=True):
     """The math of `selective_scan` (Mamba-1), see `ops.mamba1_scan.selective_scan` (Mamba paper,

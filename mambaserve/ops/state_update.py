@@ -96,6 +96,17 @@ def _ssd_state_update_kernel(
         tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=tile_mask, eviction_policy="evict_first")
 
 
+def gated_sum_of_squares(y: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The sums of squares `ssd_state_update(..., norm_sq=True)` returns beside y, in PyTorch (the
+    reference path's, and the tests'): per row and head, the sum over features of (y *
+    silu(gate))^2, or of y^2 without a gate, in float32 (float64 for float64 y).
+    y, gate: (batch, nheads, headdim) -> (batch, nheads, 1)."""
+    v = y.to(torch.float64 if y.dtype == torch.float64 else torch.float32)
+    if gate is not None:
+        v = v * torch.nn.functional.silu(gate.to(v.dtype))
+    return v.pow(2).sum(-1, keepdim=True)
+
+
 def ssd_state_update(
     ssm_states: torch.Tensor,
     x: torch.Tensor,
@@ -138,7 +149,7 @@ def ssd_state_update(
     if not use_triton(x):
         y = reference.ssd_state_update(ssm_states, x, dt, A, B, C, D, z, dt_bias, state_indices, dt_softplus,
                                        dt_limit)
-        return (y, reference.gated_sum_of_squares(y, norm_gate)) if norm_sq else y
+        return (y, gated_sum_of_squares(y, norm_gate)) if norm_sq else y
     batch, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
     y = torch.empty((batch, nheads, headdim), dtype=x.dtype, device=x.device)

@@ -177,6 +177,13 @@ def test_profiler_floor_of_a_made_up_profile(shape):
     assert res["prefill"]["floor"]["engine_steps"] == 2  # 200 tokens in steps of 128
     pre = {r["group"]: r for r in res["prefill"]["floor"]["rows"]}["total"]
     assert pre["flops"] == pytest.approx(floor.steps_cost(shape, floor.packed_prefill_steps(2, 100, 128)).total_flops)
+    for phase in res.values():
+        phase.update(kernels_per_step=400.0, kernel_ms_per_step=2.0, wall_ms_per_step=2.5)
+    result = {"model": "tiny", "input_len": 100, "batch_size": 2, "modes": {"graphed": res}}
+    lines = profile_step.summary_lines(result)
+    floor_ms = total["floor_us"] / 1e3
+    assert len(lines) == 2 and "400 launches/step" in lines[1] and f"floor {floor_ms:.3f} ms" in lines[1]
+    assert f"wall / floor {2.5 / floor_ms:.2f}" in lines[1]
 
 
 def test_real_granite_active_parameters():
@@ -190,3 +197,10 @@ def test_real_granite_active_parameters():
     moe = 40 * (62 * H + 6 * 3 * 512 * H + 3 * 1024 * H)
     assert shape.active_params_per_token == mamba + attention + moe
     assert (shape.active_params_per_token + shape.lm_head_params) / 1e9 == pytest.approx(1.39, abs=0.01)
+
+
+@pytest.mark.parametrize("name", ["mamba-130m", "zamba2-2.7b"])
+def test_families_the_floor_does_not_model_are_refused(name):
+    """Mamba-1 mixers and Zamba2's shared blocks: a ValueError, not a floor missing their work."""
+    with pytest.raises(ValueError, match="does not model"):
+        floor.shape_of_config(str(BENCH / "configs" / f"{name}.json"))

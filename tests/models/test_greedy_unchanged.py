@@ -2,8 +2,10 @@
 the ones recorded before the decode-step fusions (tests/data/greedy_before_fusions.json: the
 residual add folded into the next RMSNorm in Nemotron-H and Zamba2, the gated norm folded
 into out_proj, the router in one launch). The record was written by this file's
-`record()` on main at f87b3ee (`python -m tests.models.test_greedy_unchanged`); transformers
-parity is checked elsewhere, this checks that the fused paths changed no token.
+`record()` on main at f87b3ee with torch 2.13 (`python -m tests.models.test_greedy_unchanged`);
+transformers parity is checked elsewhere, this checks that the fused paths changed no token.
+Another torch's CPU kernels may round bfloat16 differently: the test runs under the recording's
+torch version only (re-record for another).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine.engines import make, prompts_for, run
 
@@ -21,6 +24,7 @@ NAMES = ["granite-moe", "granite-moe-absorbed", "granite-dense-rope", "bamba", "
          "mamba2-untied", "zamba2", "zamba2-gqa", "nemotron-h", "nemotron-h-moe", "falcon-h1", "falcon-h1-norm",
          "falcon-h1-norm-first", "jamba", "mamba1"]
 DTYPES = ["float32", "bfloat16"]
+RECORDED_WITH = "2.13"  # torch major.minor of the record
 
 
 def greedy(name: str, dtype: str) -> list[list[int]]:
@@ -33,6 +37,8 @@ def record() -> None:
     RECORD.write_text("{\n" + ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in runs.items()) + "\n}\n")
 
 
+@pytest.mark.skipif(".".join(torch.__version__.split(".")[:2]) != RECORDED_WITH,
+                    reason=f"the record is of torch {RECORDED_WITH}'s CPU kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_unchanged(name, dtype):

@@ -10,6 +10,7 @@ import torch
 
 from mambaserve import ops
 from mambaserve.ops import reference as ref
+from mambaserve.ops.state_update import gated_sum_of_squares
 from tests.conftest import rel_err, tolerance
 from tests.ops.kernel_helpers import DEVICES, random_slots
 
@@ -43,7 +44,7 @@ def test_state_update_sums_of_squares(poison_empty, batch, H, P, G, N, gated, dt
     assert sq.dtype == torch.float32 and sq.shape[:2] == (batch, H)
     v = y.double() * (torch.nn.functional.silu(gate.double()) if gated else 1.0)  # y as returned, rounded
     assert rel_err(sq.sum(-1), v.pow(2).sum(-1)) < tolerance(torch.float32)
-    ref_sq = ref.gated_sum_of_squares(y, gate)
+    ref_sq = gated_sum_of_squares(y, gate)
     assert ref_sq.shape == (batch, H, 1) and rel_err(ref_sq[..., 0], v.pow(2).sum(-1)) < tolerance(torch.float32)
     with ops.backend("reference"):  # the reference's pair: the same y and its sums
         y_ref, sq_ref = ops.ssd_state_update(states.clone(), x, dt, A, B, C, D, None, dt_bias, idx, norm_sq=True,
@@ -77,7 +78,7 @@ def test_gated_norm_linear_partials(poison_empty, T, H, P, G, N_out, norm_before
     y, z, norm_w, w = _norm_inputs(T, H, P, G, N_out, dtype)
     K, eps, group_size = H * P, 1e-5, H * P // G
     gate = None if norm_before_gate else z.reshape(T, H, P)
-    sq = ref.gated_sum_of_squares(y, gate).float()  # (T, H, 1): parts may be 1
+    sq = gated_sum_of_squares(y, gate).float()  # (T, H, 1): parts may be 1
     # spread each head's sum over 3 parts, as a launch with several row blocks leaves it
     sq3 = torch.cat([sq * 0.25, sq * 0.5, sq * 0.25], dim=-1)
     expected = _expected(y.view(T, K), z, norm_w, w, eps, group_size, norm_before_gate)
@@ -104,9 +105,9 @@ def test_gated_norm_linear_partials_falls_back_where_blocks_do_not_fit():
         out = ops.gated_norm_linear_partials(y.view(T, K), z, junk, norm_w, 1e-5, K, False, w)
     assert rel_err(out.sum(0), expected) < tolerance(torch.float32)
     y2, z2, nw2, w2 = _norm_inputs(T, 4, 16, 2, 9, torch.float32)
+    junk2 = torch.full((T, 4, 1), float("nan"), device=DEVICE)
     with ops.backend("triton"), ops.unfused():
-        out = ops.gated_norm_linear_partials(y2.view(T, 64), z2, torch.full((T, 4, 1), float("nan")), nw2, 1e-5, 32,
-                                             False, w2)
+        out = ops.gated_norm_linear_partials(y2.view(T, 64), z2, junk2, nw2, 1e-5, 32, False, w2)
     assert rel_err(out.sum(0), _expected(y2.view(T, 64), z2, nw2, w2, 1e-5, 32, False)) < tolerance(torch.float32)
 
 
