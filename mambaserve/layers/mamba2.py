@@ -199,11 +199,11 @@ class Mamba2Mixer(nn.Module):
     def _norm_in_out_proj(self, ctx: ForwardContext, num_tokens: int) -> bool:
         """Whether this step folds the gated norm into out_proj (`_decode_norm_in_out_proj`): a
         decode-only step of split-K size, a norm of whole groups on this rank, no out_proj bias
-        or all-reduce, fusions on, and no piecewise capture (which must see the state update as
-        a split op)."""
+        or all-reduce, a weight in the model dtype (the fused GEMV reads no FP8 scales), fusions
+        on, and no piecewise capture (which must see the state update as a split op)."""
         return (ctx.decode_only and num_tokens <= ops.gemv_max_tokens() and self.norm is not None
                 and not self.norm_spans_ranks and self.tp_group.world_size == 1 and self.out_proj.bias is None
-                and ops.fusions_enabled() and not recording())
+                and getattr(self.out_proj, "weight_scale", None) is None and ops.fusions_enabled() and not recording())
 
     def _decode_norm_in_out_proj(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """A decode step whose gated norm runs in out_proj's prologue: the state update also
