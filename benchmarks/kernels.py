@@ -175,6 +175,20 @@ def copy_bandwidth_gbs() -> float:
     return 2 * 2**30 / (us * 1e-6) / 1e9
 
 
+def matmul_tflops() -> float:
+    """bf16 matrix rate: an 8192^3 torch.mm (cuBLAS), after half a second of them to bring the
+    clocks up; the denominator of each case's FLOP fraction."""
+    a = torch.randn(8192, 8192, device=DEV).to(BF16)
+    b = torch.randn(8192, 8192, device=DEV).to(BF16)
+    c = torch.empty(8192, 8192, device=DEV, dtype=BF16)
+    t_end = time.perf_counter() + 0.5
+    while time.perf_counter() < t_end:
+        torch.mm(a, b, out=c)
+        torch.cuda.synchronize()
+    us = gpu_time_us(lambda: torch.mm(a, b, out=c), replays=10, flush=False)
+    return 2 * 8192**3 / (us * 1e-6) / 1e12
+
+
 # --- the granite-4.0-tiny-preview Mamba2 layer ---------------------------------------------
 
 D_INNER, NHEADS, HEADDIM, DSTATE, NGROUPS, WIDTH, CHUNK = 3072, 48, 64, 128, 1, 4, 256
@@ -400,10 +414,6 @@ SWEEPS = [  # (case name, module, config attribute, variants); the first variant
         {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
         {"block_k": 64, "block_p": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}]),
     ("ssd_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATES_FP32", [True, False]),
-    ("causal_conv1d prefill 31500", conv1d_mod, "CONV_CONFIG", [
-        {"block_t": 32, "block_d": 128, "num_warps": 4}, {"block_t": 64, "block_d": 128, "num_warps": 4},
-        {"block_t": 16, "block_d": 256, "num_warps": 4}, {"block_t": 16, "block_d": 128, "num_warps": 2},
-        {"block_t": 64, "block_d": 256, "num_warps": 8}, {"block_t": 32, "block_d": 256, "num_warps": 8}]),
     ("ssd_state_update decode 256", state_update_mod, "STATE_UPDATE_CONFIG", [
         {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 2}, {"block_p": 4, "num_warps": 4},
         {"block_p": 32, "num_warps": 4}]),
@@ -416,8 +426,6 @@ SWEEPS = [  # (case name, module, config attribute, variants); the first variant
     ("selective_scan_update decode 256", mamba1_scan_mod, "UPDATE_CONFIG", [
         {"block_d": 32, "num_warps": 2}, {"block_d": 64, "num_warps": 4}, {"block_d": 128, "num_warps": 4},
         {"block_d": 16, "num_warps": 1}]),
-    ("causal_conv1d_update decode 256", conv1d_mod, "UPDATE_CONFIG", [
-        {"block_d": 256, "num_warps": 4}, {"block_d": 512, "num_warps": 4}, {"block_d": 1024, "num_warps": 8}]),
 ]
 # measured only, never chosen automatically: storing chunk states in x's dtype rounds every
 # chunk's contribution to the final state
@@ -479,7 +487,10 @@ def sweep(copy_gbs: float, rows: list, save: Callable[[], None], budget_s: float
 
 
 def current_configs() -> dict:
-    return {f"{m.__name__}.{a}": getattr(m, a) for m, a in dict.fromkeys((m, a) for _, m, a, _ in SWEEPS)}
+    configs = {f"{m.__name__}.{a}": getattr(m, a) for m, a in dict.fromkeys((m, a) for _, m, a, _ in SWEEPS)}
+    # conv1d: a table per GPU (mambaserve/ops/configs/, tuned by benchmarks/tune_conv1d.py)
+    configs["mambaserve.ops.conv1d table"] = conv1d_mod.table_for(DEV)
+    return configs
 
 
 def main() -> None:
@@ -504,7 +515,10 @@ def main() -> None:
               "cases": []}
     copy_gbs = copy_bandwidth_gbs()
     result["copy_bandwidth_GBps"] = copy_gbs
-    print(f"{gpu}: device-to-device copy {copy_gbs:.0f} GB/s (read + write)", flush=True)
+    mm_tflops = matmul_tflops()
+    result["bf16_matmul_TFLOPs"] = mm_tflops
+    print(f"{gpu}: device-to-device copy {copy_gbs:.0f} GB/s (read + write), bf16 8192^3 matmul "
+          f"{mm_tflops:.0f} TFLOP/s", flush=True)
 
     def save():
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -529,12 +543,13 @@ def main() -> None:
         return (f"{row['name']:40s} {fmt(row.get('gpu_us'), '%8.1f'):>8s} {fmt(row.get('kernel_us'), '%8.1f'):>8s} "
                 f"{fmt(row.get('host_us'), '%7.1f'):>7s} {row['bytes'] / 1e6:8.1f} "
                 f"{fmt(frac(row.get('gpu_us')), '%4.0f'):>4s} {fmt(frac(row.get('kernel_us')), '%4.0f'):>4s} "
-                f"{fmt(row.get('TFLOPs'), '%6.1f'):>6s} {fmt(row.get('target_us'), '%7.1f'):>7s} "
+                f"{fmt(row.get('TFLOPs'), '%6.1f'):>6s} {fmt(row.get('frac_matmul'), '%5.3f'):>5s} "
+                f"{fmt(row.get('target_us'), '%7.1f'):>7s} "
                 f"{fmt(row.get('baseline_us'), '%7.1f'):>7s}"
                 + (f"  ERROR {row['error'][:200]}" if "error" in row else ""))
 
     header = (f"{'case':40s} {'graph us':>8s} {'kern us':>8s} {'host us':>7s} {'MB':>8s} {'%bw':>4s} {'%bwk':>4s} "
-              f"{'TFLOP/s':>6s} {'target':>7s} {'vLLM':>7s}")
+              f"{'TFLOP/s':>6s} {'mm':>5s} {'target':>7s} {'vLLM':>7s}")
     print(header, flush=True)
     for builder in CASE_BUILDERS:
         for case in builder():
@@ -550,6 +565,7 @@ def main() -> None:
                 row["GBps"] = case.bytes / (device_us * 1e-6) / 1e9
                 row["frac_copy_bw"] = row["GBps"] / copy_gbs
                 row["TFLOPs"] = case.flops / (device_us * 1e-6) / 1e12
+                row["frac_matmul"] = row["TFLOPs"] / mm_tflops
             except Exception as e:
                 row["error"] = repr(e)[:500]
             result["cases"].append(row)
@@ -571,7 +587,8 @@ def main() -> None:
     print()
     print(f"{gpu}: copy bandwidth {copy_gbs:.0f} GB/s at the start, {copy_end:.0f} at the end; %bw uses {bw:.0f}")
     print("graph us: CUDA-graph replay with L2 flushed (includes the graph launch); kern us: sum of kernel")
-    print("durations from the profiler, L2 flushed; host us: host time to issue one eager call")
+    print("durations from the profiler, L2 flushed; host us: host time to issue one eager call; %bw: bytes")
+    print(f"moved over the copy bandwidth; mm: FLOP rate over the bf16 matmul rate ({mm_tflops:.0f} TFLOP/s)")
     print(header)
     for row in result["cases"]:
         print(line(row, bw))

@@ -120,9 +120,9 @@ class ForwardContext:
         return self._prefill
 
     def conv_blocks(self) -> TokenBlocks:
-        """The token blocks of `ops.causal_conv1d` for this batch (of the kernel's configured
-        block size), built on first use."""
-        block_t = conv1d.CONV_CONFIG["block_t"]
+        """The token blocks of `ops.causal_conv1d` for this batch (of the block size its launch
+        config takes for this many tokens on this device), built on first use."""
+        block_t = conv1d.varlen_block_t(conv1d.table_for(self.device), self.num_tokens)
         blocks = self._conv_blocks.get(block_t)
         if blocks is None:
             blocks = self._conv_blocks[block_t] = conv_token_blocks(self.query_start_loc_host, block_t, self.device)

@@ -68,7 +68,8 @@ def test_plans_are_built_once_from_the_host_copies():
     assert got.chunk_start.tolist() == expected.chunk_start.tolist() == [0, 4]
     assert got.chunk_end.tolist() == [4, 7] and got.seq_chunk.tolist() == [0, 1, 2]
     blocks = ctx.conv_blocks()
-    assert blocks.block_t == conv1d.CONV_CONFIG["block_t"] and blocks.batch == 4 and blocks.num_tokens == 9
+    assert blocks.block_t == conv1d.varlen_block_t(conv1d.table_for("cpu"), 9)
+    assert blocks.batch == 4 and blocks.num_tokens == 9
     plan = ctx.attention_plan(2, 1, 4)
     assert plan is ctx.attention_plan(2, 1, 4) and plan is not ctx.attention_plan(1, 2, 4)
     direct = plan_paged_attention(np.array([0, 1, 2, 6, 9]), np.array([9, 5, 12, 3]), group_size=2, num_kv_heads=1,
