@@ -122,7 +122,10 @@ class ForwardContext:
     def conv_blocks(self) -> TokenBlocks:
         """The token blocks of `ops.causal_conv1d` for this batch (of the block size its launch
         config takes for this many tokens on this device), built on first use."""
-        block_t = conv1d.varlen_block_t(conv1d.table_for(self.device), self.num_tokens)
+        # the launcher looks its config up by the planned tokens (query_start_loc[-1]), which
+        # padded rows past them do not change
+        num_tokens = int(self.query_start_loc_host[-1]) if len(self.query_start_loc_host) else 0
+        block_t = conv1d.varlen_block_t(conv1d.table_for(self.device), num_tokens)
         blocks = self._conv_blocks.get(block_t)
         if blocks is None:
             blocks = self._conv_blocks[block_t] = conv_token_blocks(self.query_start_loc_host, block_t, self.device)
