@@ -39,7 +39,7 @@ from mambaserve.ops import conv1d, varlen  # noqa: E402
 
 SHAPES = {  # model: (conv dim, in_proj row width), bf16
     "granite": (3328, 6448),
-    "bamba": (8448, 16576),
+    "bamba": (8448, 16768),
 }
 
 
