@@ -61,9 +61,9 @@ VLLM_US = {"varlen 1x31500 granite": 180.0, "varlen 8x1024 +init bamba": 117.0, 
            "update b1 granite": 1.7, "update b1 bamba": 1.7, "update b64 granite": 2.8, "update b64 bamba": 4.3,
            "update b256 granite": 6.0, "update b256 bamba": 12.2}
 # class bounds of the table (None: unbounded)
-TOKEN_CLASSES = [256, 4096, 16384, None]
+TOKEN_CLASSES = [256, 4096, 8192, 16384, None]
 DIM_CLASSES = [4096, None]
-BATCH_CLASSES = [1, 16, 128, None]
+BATCH_CLASSES = [1, 16, 64, 256, None]
 
 
 @dataclass

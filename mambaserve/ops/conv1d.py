@@ -105,7 +105,13 @@ def table_for(device: torch.device | str | None) -> dict:
     device = torch.device(device) if device is not None else None
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return DEFAULT_TABLE
-    return _table_for(torch.cuda.get_device_name(device))
+    return _table_of_device(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _table_of_device(index: int) -> dict:
+    # one name lookup per device, not one per launch
+    return _table_for(torch.cuda.get_device_name(index))
 
 
 def _first(entries: list, **bounds) -> dict:
