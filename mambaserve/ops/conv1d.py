@@ -61,9 +61,8 @@ from mambaserve.ops.varlen import NO_SAVES, StateSaves, TokenBlocks, conv_token_
 DEFAULT_TABLE = {
     "varlen_block_t": [{"max_tokens": None, "block_t": 32}],
     "varlen": [{"max_tokens": None, "max_dim": None,
-                "config": {"kernel": "roll", "block_d": 256, "num_warps": 1, "group": 16}}],
-    "update": [{"max_batch": None, "max_dim": None,
-                "config": {"kernel": "roll", "block_d": 256, "num_warps": 1, "block_b": 1}}],
+                "config": {"kernel": "roll", "block_d": 256, "num_warps": 1, "group": 8}}],
+    "update": [{"max_batch": None, "max_dim": None, "config": {"block_d": 256, "num_warps": 1, "block_b": 1}}],
 }
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 VARLEN_KEYS = {"roll": ("block_d", "num_warps", "group"), "tile": ("block_d", "num_warps")}
@@ -301,7 +300,8 @@ def _block_coords(block_seq_ptr, block_start_ptr, qsl_ptr, state_idx_ptr, has_in
     pid_t = pid // num_d_blocks
     pid_d = pid % num_d_blocks
     seq = tl.load(block_seq_ptr + pid_t)
-    p0 = tl.load(block_start_ptr + pid_t)  # first position of this block inside its sequence
+    # first position of this block inside its sequence; int64, so that p * row stride cannot wrap
+    p0 = tl.load(block_start_ptr + pid_t).to(tl.int64)
     start = tl.load(qsl_ptr + seq).to(tl.int64)
     seqlen = tl.load(qsl_ptr + seq + 1) - tl.load(qsl_ptr + seq)
     slot = tl.load(state_idx_ptr + seq).to(tl.int64)
