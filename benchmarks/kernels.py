@@ -14,7 +14,8 @@ and the FLOPs it must do. For each case the script prints and records:
     layer after the first.
   - GB/s and the fraction of the copy bandwidth measured in the same run (a 1 GiB
     device-to-device copy, bytes read plus written, at the start and at the end: the larger
-    is used), and TFLOP/s, from the smaller of gpu_us and kernel_us.
+    is used), and TFLOP/s and its fraction of the bf16 matrix rate measured in the same run
+    (an 8192^3 torch.mm), from the smaller of gpu_us and kernel_us.
 
 Shapes: the Mamba2 layer of granite-4.0-tiny-preview (benchmarks/configs/granite-4.0-tiny-preview.json:
 hidden 1536, expand 2 -> d_inner 3072, 48 heads x 64, d_state 128, 1 group, conv width 4,
@@ -26,7 +27,8 @@ prefill and on 4 x 512 prefills beside 60 decodes, and its decode update at batc
 
 Extending: write a function that returns a list of `Case` and decorate it with `@register`
 (cases of other ops, e.g. attention or MoE, belong here too). `--sweep` times alternative
-launch configs of the kernels (on scratch state, never on live state) to tune the fixed configs.
+launch configs of the kernels (on scratch state, never on live state) to tune the fixed configs;
+the conv1d kernels' per-GPU table is tuned by benchmarks/tune_conv1d.py instead.
 
 Usage: python3 benchmarks/kernels.py [--output-json PATH] [--only SUBSTRING] [--sweep]
 Needs a CUDA GPU. Writes JSON to PATH (default: kernels-<gpu>.json in the current folder); the
