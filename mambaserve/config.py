@@ -76,6 +76,67 @@ class CacheConfig:
                              "for a model with attention layers")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+              "draft_model": {"method", "num_speculative_tokens", "model"}}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's `speculative_config` keys), built by `from_dict`.
+
+    method "ngram": prompt lookup (`engine.spec_decode.NgramProposer`): the longest n-gram
+    (prompt_lookup_max >= n >= prompt_lookup_min) ending the sequence that occurred earlier in
+    its tokens proposes the tokens that followed it. method "draft_model": a second, small model
+    (`model`: a checkpoint directory of any supported family) proposes greedily. Either way
+    num_speculative_tokens (k) drafts per sequence and step are verified by one forward of k + 1
+    tokens of the target model, which keeps its output distribution exactly.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+
+    @classmethod
+    def from_dict(cls, spec: dict | SpeculativeConfig) -> SpeculativeConfig:
+        """Validate a `speculative_config` dict. Raises ValueError for a non-dict, an unknown
+        method or key, a missing key, or a bad value (k and the lookup lengths >= 1,
+        prompt_lookup_min <= prompt_lookup_max; ngram's defaults as vLLM's: 5 for both when neither
+        is given, else the one given for both)."""
+        if isinstance(spec, SpeculativeConfig):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(spec).__name__}")
+        method = spec.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {method!r}")
+        unknown = sorted(set(spec) - _SPEC_KEYS[method])
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown} for method {method!r} "
+                             f"(accepted: {sorted(_SPEC_KEYS[method])})")
+
+        def positive(key, default=None):
+            v = spec.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {v!r}")
+            return v
+
+        k = positive("num_speculative_tokens", spec.get("num_speculative_tokens"))
+        if method == "draft_model":
+            model = spec.get("model")
+            if not isinstance(model, str) or not model:
+                raise ValueError(f"speculative_config: method 'draft_model' needs a 'model' directory, got {model!r}")
+            return cls(method, k, model=model)
+        hi, lo = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
+        hi, lo = (5, 5) if hi is None and lo is None else (hi if hi is not None else lo, lo if lo is not None else hi)
+        hi, lo = positive("prompt_lookup_max", hi), positive("prompt_lookup_min", lo)
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return cls(method, k, prompt_lookup_max=hi, prompt_lookup_min=lo)
+
+
 @dataclass
 class EngineConfig:
     """model: checkpoint directory (or a bare config .json with load_format="dummy").
@@ -131,9 +192,10 @@ class EngineConfig:
     prompt_logprobs a request may ask for (-1: the vocabulary). generation_config: "auto" reads
     the checkpoint's generation_config.json (end tokens, default sampling parameters), "vllm"
     reads none, a folder reads that folder's. disable_log_stats: no periodic stats lines (the
-    `LLM` sets it, as vLLM's does). cpu_num_threads: torch's intra-op threads on the CPU (default:
+    `LLM` sets it, as vLLM's does). speculative_config: vLLM's dict (or None: off), validated
+    into a `SpeculativeConfig`. cpu_num_threads: torch's intra-op threads on the CPU (default:
     $OMP_NUM_THREADS when set, else 1: cores shared with other work make more threads fall off
-    a cliff, see `engine.model_runner.set_cpu_threads`).
+    a cliff, see `engine.runner_setup.set_cpu_threads`).
     """
 
     model: str = field(default_factory=default_model)
@@ -175,6 +237,7 @@ class EngineConfig:
     cpu_num_threads: int | None = None
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    speculative_config: dict | SpeculativeConfig | None = None
 
     def __post_init__(self):
         from mambaserve.hub import resolve_model_path
@@ -200,6 +263,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.enable_prefix_caching is None:  # an unset command-line flag: the default
             self.enable_prefix_caching = True
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.cache_config  # noqa: B018 - validates block_size and the prefix-caching fields
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -10,6 +10,14 @@ kernel reads the device to plan its work. It also carries references to the cach
 (conv_states, ssm_states) pair per Mamba layer, one (k_cache, v_cache) pair per attention
 layer), which the engine allocates once from the model's cache spec.
 
+Speculative decoding's verify rows (`verify`): the last sequences of a step may each verify
+drafts, k + 1 new tokens continuing from their slot's state. Attention takes them as any chunk;
+a Mamba layer must keep the state after each of their positions, so it runs them as k + 1
+one-token decode steps (`VerifyPlan.steps`), step j reading the state after position j - 1
+(the slot itself for j = 0) and writing the state after position j into scratch state rows
+(`layers.verify.run_state_op`): the slot is never written, and the engine later copies the
+row of the last accepted position into it.
+
 This module sits beneath layers/, models/ and engine/ and imports none of them (only the plan
 builders of `mambaserve.ops`); it knows nothing about scheduling: `ForwardContext.build` takes
 plain host lists.
@@ -37,6 +45,27 @@ from mambaserve.ops.varlen import (
 
 
 @dataclass
+class VerifyStep:
+    """Position j of the verify sequences that have one: rows (n,) int64, their token rows in
+    the step; src (n,) int64, the state rows they continue from; ctx, a decode-only context of n
+    sequences whose state_indices (int32) are the rows receiving the state after position j."""
+
+    rows: torch.Tensor
+    src: torch.Tensor
+    ctx: ForwardContext
+
+
+@dataclass
+class VerifyPlan:
+    """The trailing `num_seqs` sequences of a step that verify drafts, from token row
+    `first_row` on, as `steps[j]` per position j (host-built once per step)."""
+
+    num_seqs: int
+    first_row: int
+    steps: list[VerifyStep]
+
+
+@dataclass
 class ForwardContext:
     """Metadata of one forward pass over a packed batch of `batch` sequences, `num_tokens` rows.
 
@@ -54,6 +83,7 @@ class ForwardContext:
     mamba_caches / kv_caches: the cache tensors, indexed by a layer's cache index.
     state_saves: prefix caching's state checkpoints inside this step's prefills
     (`ops.varlen.StateSaves`), which the Mamba layers hand to their prefill ops.
+    verify: the verify sequences' plan (module docstring), or None.
     Raises ValueError on host copies that disagree with the batch or offsets that decrease.
     """
 
@@ -72,8 +102,10 @@ class ForwardContext:
     mamba_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     state_saves: StateSaves = NO_SAVES
+    verify: VerifyPlan | None = None
     # the plans, built on first use and kept for the step (keyed by what each depends on)
     _prefill: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
+    _main: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
     _conv_blocks: dict[int, TokenBlocks] = field(default_factory=dict, init=False, repr=False, compare=False)
     _ssd_chunks: dict[int, SsdChunks] = field(default_factory=dict, init=False, repr=False, compare=False)
     _attention_plans: dict[tuple[int, int, int], AttentionPlan] = field(
@@ -118,6 +150,24 @@ class ForwardContext:
                 seq_lens_host=self.seq_lens_host[nd:], mamba_caches=self.mamba_caches, kv_caches=self.kv_caches,
                 state_saves=self.state_saves.shifted(nd, nd))
         return self._prefill
+
+    def main_part(self) -> ForwardContext:
+        """The context of the sequences before the verify ones (the whole step without verify
+        rows): rows 0..verify.first_row - 1, its own plans. Built once per step."""
+        if self.verify is None:
+            return self
+        if self._main is None:
+            nm, rows = self.batch_size - self.verify.num_seqs, self.verify.first_row
+            self._main = ForwardContext(
+                query_start_loc=self.query_start_loc[: nm + 1], seq_lens=self.seq_lens[:nm],
+                state_indices=self.state_indices[:nm], has_initial_state=self.has_initial_state[:nm],
+                block_table=None if self.block_table is None else self.block_table[:nm],
+                slot_mapping=None if self.slot_mapping is None else self.slot_mapping[:rows],
+                num_decodes=min(self.num_decodes, nm), num_tokens=rows,
+                max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
+                query_start_loc_host=self.query_start_loc_host[: nm + 1], seq_lens_host=self.seq_lens_host[:nm],
+                mamba_caches=self.mamba_caches, kv_caches=self.kv_caches, state_saves=self.state_saves)
+        return self._main
 
     def conv_blocks(self) -> TokenBlocks:
         """The token blocks of `ops.causal_conv1d` for this batch (of the block size its launch
@@ -169,6 +219,7 @@ class ForwardContext:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         pad_to: int | None = None,
         state_saves: list[tuple[int, int, int]] | None = None,
+        verify_state_rows: list[list[int]] | None = None,
     ) -> ForwardContext:
         """Build the context from host lists, one entry per sequence (decodes first).
 
@@ -176,6 +227,8 @@ class ForwardContext:
         must cover seq_lens[i] tokens when given. pad_to: the token count of a padded forward
         (piecewise graphs): slot_mapping gets -1 for the padding rows, which belong to no
         sequence. state_saves: (sequence, offset, state row) triples, sorted (`StateSaves`).
+        verify_state_rows: one list per trailing verify sequence (speculative decoding), the
+        scratch state rows receiving the state after each of its query_len positions.
         Raises ValueError on inconsistent lengths or saves outside their sequences.
         """
         n = len(query_lens)
@@ -217,6 +270,9 @@ class ForwardContext:
             flat[3 * n + 1 : 4 * n + 1]
         if block_tables is not None:
             block_table = flat[4 * n + 1 :].view(n, width)
+        verify = None
+        if verify_state_rows:
+            verify = _verify_plan(verify_state_rows, offsets, query_lens, state_indices, device, mamba_caches)
         return cls(
             query_start_loc=qsl,
             seq_lens=lens,
@@ -234,4 +290,26 @@ class ForwardContext:
             kv_caches=kv_caches or [],
             state_saves=StateSaves(*map(tuple, zip(*[(i, o, r, offsets[i]) for i, o, r in state_saves])))
             if state_saves else NO_SAVES,
+            verify=verify,
         )
+
+
+def _verify_plan(state_rows: list[list[int]], offsets: list[int], query_lens: list[int], state_indices: list[int],
+                 device, mamba_caches) -> VerifyPlan:
+    """The per-position steps of the trailing len(state_rows) sequences (`VerifyPlan`)."""
+    n, batch = len(state_rows), len(query_lens)
+    first = batch - n
+    if n > batch or any(len(r) != q for r, q in zip(state_rows, query_lens[first:])):
+        raise ValueError("verify_state_rows needs one row per new token of each trailing verify sequence")
+    steps = []
+    for j in range(max(query_lens[first:])):
+        seqs = [i for i in range(n) if len(state_rows[i]) > j]
+        rows = [offsets[first + i] + j for i in seqs]
+        src = [state_indices[first + i] if j == 0 else state_rows[i][j - 1] for i in seqs]
+        dst = [state_rows[i][j] for i in seqs]
+        ctx = ForwardContext.build(query_lens=[1] * len(seqs), seq_lens=[1] * len(seqs), state_indices=dst,
+                                   has_initial_state=[True] * len(seqs), block_tables=None, block_size=1,
+                                   device=device, mamba_caches=mamba_caches)
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
+        steps.append(VerifyStep(as_tensor(rows), as_tensor(src), ctx))
+    return VerifyPlan(n, offsets[first], steps)

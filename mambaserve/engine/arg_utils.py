@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 from mambaserve.config import COMPILATION_MODES, EngineConfig, default_model
 
@@ -77,6 +78,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-state-checkpoints", type=int, default=None,
                    help="rows of the state-checkpoint pool beside the running state slots (default: the cache "
                         "budget's share for them; 0: no checkpoints)")
+    g.add_argument("--speculative-config", type=speculative_config_arg, default=None,
+                   help='speculative decoding, as JSON (vLLM\'s keys): \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or '
+                        '\'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'')
+
+
+def speculative_config_arg(text: str) -> dict:
+    """--speculative-config's value: a JSON object (its keys are checked by EngineConfig)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:

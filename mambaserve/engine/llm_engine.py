@@ -38,8 +38,9 @@ from mambaserve.engine.model_runner import ModelRunner, StepLogits
 from mambaserve.engine.output_processor import OutputProcessor
 from mambaserve.engine.sampler import PendingSample, Sampler
 from mambaserve.engine.scheduler import ScheduledSequence, Scheduler
+from mambaserve.engine.spec_decode import SpecDecoder
 from mambaserve.engine.stat_logger import StatLogger, log_startup_summary
-from mambaserve.engine.stats import EngineStats, EngineUsage, MemoryUsage
+from mambaserve.engine.stats import EngineStats, EngineUsage
 from mambaserve.engine.structured_outputs import StructuredOutputs
 from mambaserve.outputs import RequestOutput
 from mambaserve.sampling_params import SamplingParams
@@ -91,8 +92,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
             slot_pool=self.slot_pool, block_pool=self.block_pool, enable_chunked_prefill=config.enable_chunked_prefill,
-            prefix_cache=pools.prefix_cache, min_inner_save_offset=runner.spec.min_inner_save_offset)
+            prefix_cache=pools.prefix_cache, min_inner_save_offset=runner.spec.min_inner_save_offset,
+            max_num_verify_seqs=runner.max_num_verify_seqs)
         self.sampler = Sampler(eos + extra_eos or None)
+        self.spec = None if config.speculative_config is None else SpecDecoder(
+            config.speculative_config, self.sampler, self.structured_outputs.constrains, runner.max_model_len)
         self.stats = EngineStats()
         self._counter = itertools.count()
         self._inflight: _Step | None = None  # a decode step launched ahead (async scheduling)
@@ -174,7 +178,7 @@ class LLMEngine:
         step = self._take_inflight() or self._schedule_and_run()  # schedule, run, launch the sampling
         if step is None:
             return []
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and self.spec is None:  # drafts need the host's tokens: no chaining
             self._inflight = self._launch_next(step)  # the next decode, before this step's tokens are read
         outputs = self._update(step)  # wait for the tokens: update sequences, stop, build outputs
         self.stats.record_step(step.result.path, step.scheduled, step.fed_tokens, time.perf_counter() - t0)
@@ -194,11 +198,13 @@ class LLMEngine:
     def _schedule_and_run(self) -> _Step | None:
         """Schedule a batch, run the forward over it and launch its sampling; None when there
         is nothing to run."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # each decode's drafts (speculative decoding)
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if sched.is_empty:
             return None
-        result = self.runner.execute(sched.scheduled)
+        result = self.runner.execute(sched.scheduled, self.spec.take_state_loads() if self.spec else ())
         return _Step(sched.scheduled, result, self._sample(result))
 
     def _sample(self, result: StepLogits) -> PendingSample | None:
@@ -230,12 +236,13 @@ class LLMEngine:
         sampled = step.sample.result() if step.sample is not None else None
         live = [s for s in step.scheduled if not s.seq.is_finished]  # an aborted one is finished too
         step.fed_tokens = sum(s.num_new_tokens for s in live)
-        for s in live:
-            s.seq.num_computed_tokens += s.num_new_tokens
+        for s in live:  # a verifying sequence's drafts count as each is accepted (OutputProcessor.process)
+            s.seq.num_computed_tokens += 1 if s.spec_token_ids else s.num_new_tokens
         self.stats.count_step(live)
         new_tokens = [] if sampled is None else [
             (seq, token, lps) for seq, token, lps in zip(step.result.sample_seqs, sampled.token_ids, sampled.logprobs)
             if not seq.is_finished]  # finished before the step was processed: its token is dropped
+        new_tokens += self.spec.verify(step.result) if step.result.verify else []
         self.stats.generation_tokens += len(new_tokens)
         ahead = self._inflight.result.sample_seqs if self._inflight and self._inflight.sample is None else None
         # the grammars take the tokens first: the masks of the step in flight fill meanwhile, off this thread
@@ -246,10 +253,8 @@ class LLMEngine:
         return self.output_processor.outputs(touched)
 
     # ------------------------------------------------------------------ the read API
-    @property
-    def tokenizer(self):
-        """The transformers tokenizer, or None (skip_tokenizer_init)."""
-        return self.input_processor.tokenizer
+    tokenizer = property(lambda self: self.input_processor.tokenizer,
+                         doc="The transformers tokenizer, or None (skip_tokenizer_init).")
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -261,10 +266,8 @@ class LLMEngine:
 
     vocab_size = property(lambda self: self.runner.vocab_size, doc="The logits' width (int).")
 
-    @property
-    def max_model_len(self) -> int:
-        """Longest prompt plus output, in tokens, as resolved against the cache budget."""
-        return self.runner.max_model_len
+    max_model_len = property(lambda self: self.runner.max_model_len,
+                             doc="Longest prompt plus output, in tokens, as resolved against the cache budget.")
 
     @property
     def pool_sizes(self) -> PoolSizes:
@@ -272,17 +275,13 @@ class LLMEngine:
         max_model_len, as `cache.budget.size_pools` resolved them."""
         return self.runner.sizes
 
-    @property
-    def memory(self) -> MemoryUsage:
-        """Bytes of the weights, the state slots and the KV blocks."""
-        return self.runner.memory
+    memory = property(lambda self: self.runner.memory,
+                      doc="Bytes of the weights, the state slots and the KV blocks (MemoryUsage).")
 
     device = property(lambda self: self.runner.device, doc="The model's torch.device.")
 
-    @property
-    def dtype(self) -> torch.dtype:
-        """The model's (and the conv state's and KV cache's) dtype."""
-        return self.runner.dtype
+    dtype = property(lambda self: self.runner.dtype,
+                     doc="The model's (and the conv state's and KV cache's) dtype.")
 
     mamba_ssm_cache_dtype = property(lambda self: self.runner.ssm_dtype, doc="The SSM states' torch.dtype.")
 

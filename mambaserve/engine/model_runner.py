@@ -11,9 +11,8 @@ sizes the pools from it). It knows nothing of sampling or stopping.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -21,6 +20,7 @@ from mambaserve.cache.budget import resolve_max_num_batched_tokens, size_pools
 from mambaserve.cache.tensors import allocate_caches
 from mambaserve.config import EngineConfig
 from mambaserve.distributed import SINGLE, TensorParallelGroup, host_barrier, min_over_ranks
+from mambaserve.engine.runner_setup import check_max_model_len, set_cpu_threads
 from mambaserve.engine.scheduler import ScheduledSequence
 from mambaserve.engine.sequence import Sequence
 from mambaserve.engine.stats import MemoryUsage
@@ -31,36 +31,8 @@ from mambaserve.ops.common import to_device
 
 logger = logging.getLogger("mambaserve")
 
-
-def set_cpu_threads(requested: int | None) -> int:
-    """Set torch's intra-op threads for a CPU engine and return the count: `requested`, else
-    $OMP_NUM_THREADS when set (torch read it already), else 1. Why 1: on a 2-core machine shared
-    with other work (load 4-8), the Quick start's 64 tokens took 1.4-2.7 s (load 4) and 6 s
-    (load 8) with one thread, 160-165 s with torch's default of a thread per core: every op
-    waits for its slowest thread, and with busy cores one of them is always descheduled. When
-    the machine is idle two threads gain 0.2-0.3 s over one, and a default-thread run still
-    fell to 11.8 s once in ten."""
-    if requested is None and os.environ.get("OMP_NUM_THREADS"):
-        return torch.get_num_threads()
-    n = requested or 1
-    torch.set_num_threads(n)
-    return n
-
-
-def check_max_model_len(max_model_len: int | None, model_config) -> None:
-    """Refuse a max_model_len past the model's max_position_embeddings (ValueError), as vLLM
-    does, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1: positions past what the model was trained on
-    may give wrong outputs. A model without that field (pure Mamba) has no limit."""
-    limit = getattr(model_config, "max_position_embeddings", None)
-    if max_model_len is None or not limit or max_model_len <= limit:
-        return
-    if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower() in ("1", "true"):
-        logger.warning("max_model_len=%d is above the model's max_position_embeddings=%d "
-                       "(allowed by VLLM_ALLOW_LONG_MAX_MODEL_LEN): outputs past it may be wrong", max_model_len, limit)
-        return
-    raise ValueError(f"max_model_len={max_model_len} is longer than the model's max_position_embeddings={limit}; "
-                     "set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to allow it (outputs past the model's positions may be "
-                     "wrong)")
+# most sequences verifying drafts in one step (each holds k + 1 scratch state rows)
+MAX_VERIFY_SEQS = 32
 
 
 @dataclass
@@ -71,12 +43,18 @@ class StepLogits:
     prompt_logits: per sequence id, (n, vocab) float32 logits of its prompt rows in this step,
     with the absolute position of the first row. path: how the forward ran: "decode_graph"
     (the full decode CUDA graphs), "piecewise" (piecewise graphs, padded) or "eager".
+    verify: the ScheduledSequences that verify drafts (speculative decoding), verify_logits
+    their (sum of 1 + k, vocab) float32 rows in order, verify_state_rows the state rows that
+    hold the state after each of their positions.
     """
 
     sample_seqs: list
     sample_logits: torch.Tensor
     prompt_logits: dict[str, tuple[int, torch.Tensor]]
     path: str
+    verify: list = field(default_factory=list)
+    verify_logits: torch.Tensor | None = None
+    verify_state_rows: list[list[int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -125,9 +103,16 @@ class ModelRunner:
         self.vocab_size = self.model.config.vocab_size
         self.load_seconds = time.perf_counter() - t0
         logger.debug("loaded %s in %.1f s", type(self.model).__name__, self.load_seconds)
+        # speculative decoding: k + 1 scratch state rows per sequence that may verify in a step
+        spec = config.speculative_config
+        self.verify_stride = spec.num_speculative_tokens + 1 if spec is not None else 0
+        self.max_num_verify_seqs = min(MAX_VERIFY_SEQS, config.resolved_max_num_seqs()) if spec is not None else 0
         self._size_caches()
-        # the checkpoint rows of prefix caching follow the slots in the same state tensors
-        self.caches = allocate_caches(self.spec, num_slots=self.num_slots + self.num_checkpoints,
+        self.max_num_verify_seqs = min(self.max_num_verify_seqs, self.max_num_seqs)
+        self.verify_base = self.num_slots + self.num_checkpoints
+        # the checkpoint rows of prefix caching follow the slots in the same state tensors, the
+        # verify rows of speculative decoding follow them
+        self.caches = allocate_caches(self.spec, num_slots=self.verify_base + self.num_verify_rows,
                                       num_blocks=max(self.num_blocks, 1),
                                       block_size=self.block_size, device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
@@ -138,6 +123,11 @@ class ModelRunner:
         if self.compilation_mode == "full_and_piecewise":
             self._capture_decode_graphs()
         self.graph_capture_seconds = time.perf_counter() - t0 if self.compilation_mode != "eager" else None
+
+    @property
+    def num_verify_rows(self) -> int:
+        """Scratch state rows of speculative decoding (0 without it)."""
+        return self.max_num_verify_seqs * self.verify_stride
 
     def _piecewise_sizes(self) -> list[int]:
         """Token counts of the piecewise graphs: up to the step budget, or to the model's own
@@ -220,7 +210,8 @@ class ModelRunner:
         slot_bytes = self.spec.bytes_per_slot
         block_bytes = self.spec.bytes_per_block(self.block_size)  # 0: no attention
         sizes = size_pools(
-            budget_bytes=self._cache_budget(), slot_bytes=slot_bytes, block_bytes=block_bytes,
+            budget_bytes=self._cache_budget() - self.num_verify_rows * slot_bytes, slot_bytes=slot_bytes,
+            block_bytes=block_bytes,
             block_size=self.block_size, model_max_len=getattr(self.model.config, "max_position_embeddings", None),
             max_num_batched_tokens=self.max_num_batched_tokens, default_max_num_seqs=cfg.resolved_max_num_seqs(),
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_state_slots=cfg.num_state_slots,
@@ -237,22 +228,27 @@ class ModelRunner:
         self.memory = MemoryUsage(
             weights_bytes=sum(t.numel() * t.element_size() for t in
                               {id(p): p for p in self.model.parameters()}.values()),
-            state_cache_bytes=(self.num_slots + self.num_checkpoints) * slot_bytes,
+            state_cache_bytes=(self.num_slots + self.num_checkpoints + self.num_verify_rows) * slot_bytes,
             kv_cache_bytes=self.num_blocks * block_bytes)
         logger.debug("caches: %d state slots (%.1f MiB each), %d state checkpoints, %d KV blocks of %d tokens",
                      self.num_slots, slot_bytes / 2**20, self.num_checkpoints, self.num_blocks, self.block_size)
 
     # ---------------------------------------------------------------- step
     @staticmethod
-    def prepare(scheduled: list[ScheduledSequence]) -> tuple[StepInput, list[Sequence], list[tuple[str, int]]]:
+    def prepare(scheduled: list[ScheduledSequence], verify_rows: tuple[int, int] = (0, 0)
+                ) -> tuple[StepInput, list[Sequence], list[tuple[str, int]], list[ScheduledSequence]]:
         """The step's input from the scheduler's batch (host only), the sequences that sample
-        (in the order of step.sample_rows) and, per prompt slice of step.prompt_rows, its
-        sequence's request id and the absolute position of its first row."""
+        (in the order of step.sample_rows), per prompt slice of step.prompt_rows its sequence's
+        request id and the absolute position of its first row, and the sequences that verify
+        drafts (speculative decoding). These go last in the packed batch, their k + 1 rows last
+        in sample_rows, and the i-th of them keeps the state after its position j in state row
+        base + i * stride + j, where (base, stride) = verify_rows."""
         ids, positions, query_lens, slots, tables = [], [], [], [], []
         sample_rows, sample_seqs, prompt_rows, prompt_owners = [], [], [], []
         loads, saves, inner_saves = [], [], []
         offset = 0
-        for i, s in enumerate(scheduled):
+        verify = [s for s in scheduled if s.spec_token_ids]
+        for i, s in enumerate([s for s in scheduled if not s.spec_token_ids] + verify):
             seq, n = s.seq, s.num_new_tokens
             if s.load_checkpoint is not None:
                 loads.append((s.load_checkpoint, seq.state_slot))
@@ -260,12 +256,17 @@ class ModelRunner:
                 saves.append((seq.state_slot, s.save_checkpoint))
             inner_saves.extend((i, o, row) for o, row in s.inner_saves)
             start = seq.num_computed_tokens
-            ids.extend(seq.get_token_ids(start, start + n))
+            if s.spec_token_ids:  # its last token, then the drafts
+                assert n == 1 + len(s.spec_token_ids) and start + 1 == seq.num_tokens, s
+                ids.extend(seq.get_token_ids(start, start + 1) + s.spec_token_ids)
+                sample_rows.extend(range(offset, offset + n))
+            else:
+                ids.extend(seq.get_token_ids(start, start + n))
             positions.extend(range(start, start + n))
             query_lens.append(n)
             slots.append(seq.state_slot)
             tables.append(seq.block_table)
-            if start + n == seq.num_tokens:  # reaches its end: samples its next token
+            if not s.spec_token_ids and start + n == seq.num_tokens:  # reaches its end: samples its next token
                 sample_seqs.append(seq)
                 sample_rows.append(offset + n - 1)
             # logits of prompt positions start..start+m-1 that predict a prompt token
@@ -274,19 +275,27 @@ class ModelRunner:
                 prompt_rows.append((offset, m))
                 prompt_owners.append((seq.request_id, start))
             offset += n
+        base, stride = verify_rows
+        state_rows = [[base + i * stride + j for j in range(s.num_new_tokens)] for i, s in enumerate(verify)]
         step = StepInput(ids, positions, query_lens, slots, tables, sample_rows, prompt_rows,
-                         checkpoint_loads=loads, checkpoint_saves=saves, state_saves=inner_saves)
-        return step, sample_seqs, prompt_owners
+                         checkpoint_loads=loads, checkpoint_saves=saves, state_saves=inner_saves,
+                         verify_state_rows=state_rows)
+        return step, sample_seqs, prompt_owners, verify
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence]) -> StepLogits:
+    def execute(self, scheduled: list[ScheduledSequence], state_loads: list[tuple[int, int]] = ()) -> StepLogits:
         """Run one forward over the scheduled batch and return the logits that are needed
-        (rank 0; under tensor parallelism the other ranks are sent the step first)."""
-        step, sample_seqs, owners = self.prepare(scheduled)
+        (rank 0; under tensor parallelism the other ranks are sent the step first).
+        state_loads: (state row, slot) copies to run before the forward (speculative decoding's
+        accepted states of the previous step)."""
+        step, sample_seqs, owners, verify = self.prepare(scheduled, (self.verify_base, self.verify_stride))
+        step.checkpoint_loads = list(state_loads) + step.checkpoint_loads
         share_step(step, None, self.group)
-        sample_logits, prompt_logits, path = self.run(step)
-        return StepLogits(sample_seqs, sample_logits,
-                          {rid: (start, logits) for (rid, start), logits in zip(owners, prompt_logits)}, path)
+        logits, prompt_logits, path = self.run(step)
+        n = len(sample_seqs)
+        return StepLogits(sample_seqs, None if logits is None or not n else logits[:n],
+                          {rid: (start, lg) for (rid, start), lg in zip(owners, prompt_logits)}, path,
+                          verify, None if not verify else logits[n:], step.verify_state_rows)
 
     @torch.inference_mode()
     def execute_chained_decode(self, seqs: list[Sequence], tokens: torch.Tensor, rows: list[int] | None) -> StepLogits:
@@ -364,6 +373,7 @@ class ModelRunner:
             state_indices=step.state_slots, has_initial_state=[p > 0 for p in starts],
             block_tables=self._tables(step), block_size=self.block_size, device=self.device,
             mamba_caches=self.caches.mamba, kv_caches=self.caches.kv, pad_to=pad_to, state_saves=step.state_saves,
+            verify_state_rows=step.verify_state_rows or None,
         )
 
     def _needed_logits(self, step: StepInput, logits_of, path: str

@@ -96,7 +96,9 @@ class OutputProcessor:
                 ) -> tuple[list[tuple[Sequence, SequenceStatus]], list[RequestState]]:
         """Apply a step. live: its ScheduledSequences still unfinished (computed counts already
         advanced); prompt_logits: StepLogits.prompt_logits; new_tokens: (sequence, token,
-        logprobs or None) of each sampled live sequence; closed: the sequences whose structured
+        logprobs or None) of each sampled live sequence (speculative decoding: a sequence's
+        accepted drafts then its next token, in order; each repeat first counts one more
+        computed token, and the tokens after one that finishes it are dropped); closed: the sequences whose structured
         output their new token ended (`StructuredOutputs.accept` already fed the tokens).
         Returns the sequences that finish with their status (for the scheduler) and the
         requests the step touched."""
@@ -109,9 +111,14 @@ class OutputProcessor:
                 self._store_prompt_logprobs(seq, *prompt_logits[seq.request_id])
             elif seq.sampling_params.prompt_logprobs is not None and seq.prompt_logprobs is None:
                 seq.prompt_logprobs = [None] * seq.num_prompt_tokens  # a one-token prompt: [None]
-        finished = []
+        finished, seen, done = [], set(), set()
         now = time.time()
         for seq, token, lps in new_tokens:
+            if id(seq) in done:
+                continue  # speculative decoding: a token after the one that finished it is dropped
+            if id(seq) in seen:
+                seq.num_computed_tokens += 1  # a repeat follows an accepted draft, now computed
+            seen.add(id(seq))
             req, idx = self._seq_owner[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -119,6 +126,7 @@ class OutputProcessor:
             status = self._update_text_and_stop(req.decode[idx], seq, token, seq not in closed)
             if status is not None:
                 finished.append((seq, status))
+                done.add(id(seq))
         return finished, list(touched.values())
 
     def outputs(self, touched: list[RequestState]) -> list[RequestOutput]:

@@ -100,13 +100,7 @@ class Sampler:
             return PendingSample(None, SamplerOutput([], []))
         params = [s.sampling_params for s in seqs]
         raw = logits
-        logits = logits.float()
-
-        logits = self._mask_min_tokens(logits, seqs)
-        if any(p.logit_bias or p.allowed_token_ids is not None for p in params):
-            logits = apply_token_constraints(logits, params)
-        if any(p.has_penalties for p in params):
-            logits = apply_penalties(logits, seqs)
+        logits = self.adjusted_logits(logits, seqs)
 
         greedy = [p.is_greedy for p in params]
         if all(greedy):
@@ -126,6 +120,17 @@ class Sampler:
         for d, i in zip(lp_dicts, want_logprobs):
             out[i] = _truncate(d, params[i].logprobs)
         return PendingSample(token_ids, SamplerOutput(tokens_host, out))
+
+    def adjusted_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Steps 1-2 of the pipeline (min_tokens, allowed_token_ids, logit_bias, penalties) on
+        (batch, vocab) logits, in float32; `logits` itself is not modified."""
+        params = [s.sampling_params for s in seqs]
+        logits = self._mask_min_tokens(logits.float(), seqs)
+        if any(p.logit_bias or p.allowed_token_ids is not None for p in params):
+            logits = apply_token_constraints(logits, params)
+        if any(p.has_penalties for p in params):
+            logits = apply_penalties(logits, seqs)
+        return logits
 
     def _mask_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """-inf on EOS and stop_token_ids for rows below min_tokens (a copy if any is masked)."""
@@ -148,35 +153,46 @@ class Sampler:
     ) -> torch.Tensor:
         """Token ids (batch,) by temperature/top-k/top-p/min-p and the exponential race;
         greedy rows get the argmax of `logits`."""
-        params = [s.sampling_params for s in seqs]
         device = logits.device
         greedy_mask = _to_device(greedy, device, torch.bool)
         argmax = logits.argmax(dim=-1)  # (batch,)
-
-        temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
-        temperature = _to_device(temperature, device, torch.float32)
-        logits = logits / temperature.unsqueeze(1)
-        top_k = [0 if g or p.top_k <= 0 else p.top_k for g, p in zip(greedy, params)]
-        top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
-        min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
-        if any(k > 0 for k in top_k) or any(q < 1.0 for q in top_p):
-            logits = apply_top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)  # (batch, vocab)
-        if any(m > 0.0 for m in min_p):
-            probs = apply_min_p(probs, min_p)
-
+        probs = target_probs(logits, [s.sampling_params for s in seqs], greedy)
         q = torch.empty_like(probs).exponential_()  # global RNG for unseeded rows
         for i, (g, seq) in enumerate(zip(greedy, seqs)):
-            if g or seq.sampling_params.seed is None:
-                continue
-            if seq.generator is None:
-                seq.generator = torch.Generator(device=device)
-                seq.generator.manual_seed(seq.sampling_params.seed)
-            q[i].exponential_(generator=seq.generator)
+            if not g and seq.sampling_params.seed is not None:
+                q[i].exponential_(generator=request_generator(seq, device))
         # q == 0 would turn a masked token (prob 0) into 0/0 = NaN, which argmax would pick.
         q.clamp_min_(torch.finfo(q.dtype).tiny)
         sampled = (probs / q).argmax(dim=-1)  # (batch,)
         return torch.where(greedy_mask, argmax, sampled)
+
+
+def request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
+    """A seeded request's own RNG (created on first use, on `device`)."""
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=device)
+        seq.generator.manual_seed(seq.sampling_params.seed)
+    return seq.generator
+
+
+def target_probs(logits: torch.Tensor, params: list, greedy: list[bool]) -> torch.Tensor:
+    """Step 4 of the pipeline: the distribution a row samples from, (batch, vocab) float32, from
+    `Sampler.adjusted_logits`' output: temperature, top-k, top-p, min-p (greedy rows: softmax
+    at temperature 1, unused). Not renormalised after min-p: the exponential race (and the
+    rejection sampler, which normalises) do not need it."""
+    device = logits.device
+    temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
+    temperature = _to_device(temperature, device, torch.float32)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = [0 if g or p.top_k <= 0 else p.top_k for g, p in zip(greedy, params)]
+    top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
+    min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+    if any(k > 0 for k in top_k) or any(q < 1.0 for q in top_p):
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=-1)  # (batch, vocab)
+    if any(m > 0.0 for m in min_p):
+        probs = apply_min_p(probs, min_p)
+    return probs
 
 
 def apply_token_constraints(logits: torch.Tensor, params: list) -> torch.Tensor:

@@ -65,7 +65,9 @@ class Sequence:
     preemption too, as vLLM's `num_cached_tokens`). Prefix-cache bookkeeping of the scheduler:
     block_hashes (keys of the full hash blocks of all_token_ids so far, `cache.prefix_cache`),
     num_registered_blocks (blocks of block_table registered in the cache), checkpoint_positions
-    (where the prefill ends a chunk to take a state checkpoint, increasing).
+    (where the prefill ends a chunk to take a state checkpoint, increasing). spec_token_ids:
+    speculative decoding's drafts for the next step (set by the engine before it schedules;
+    empty when it proposes none).
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_registered_blocks = 0
         self.checkpoint_positions: list[int] = []
+        self.spec_token_ids: list[int] = []
 
     @property
     def all_token_ids(self) -> list[int]:

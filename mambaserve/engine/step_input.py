@@ -35,6 +35,8 @@ class StepInput:
     same state tensors: `cache.checkpoint_pool`); state_saves: (sequence, offset, checkpoint
     row) triples, checkpoints the Mamba layers write inside a prefill chunk during the forward
     (`ForwardContext.state_saves`). Every rank applies them to its own shard.
+    verify_state_rows: speculative decoding, one list per trailing sequence that verifies drafts,
+    the state rows receiving its state after each new token (`ForwardContext.verify`).
     """
 
     token_ids: list[int]
@@ -49,6 +51,7 @@ class StepInput:
     checkpoint_loads: list[tuple[int, int]] = field(default_factory=list)
     checkpoint_saves: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    verify_state_rows: list[list[int]] = field(default_factory=list)
 
     @property
     def starts(self) -> list[int]:

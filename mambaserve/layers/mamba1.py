@@ -39,6 +39,7 @@ from mambaserve.layers.graph_split import split_op
 from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard, even_range, set_shard
 from mambaserve.layers.mamba2 import _Conv1dWeights, cached_decay_rates, project_out
 from mambaserve.layers.norm import RMSNorm
+from mambaserve.layers.verify import run_state_op
 
 
 class MambaMixer(nn.Module):
@@ -104,8 +105,12 @@ class MambaMixer(nn.Module):
         """hidden_states: (T, hidden) -> (T, hidden). partials=True (for a caller whose next op
         is `RMSNorm.add_and_norm`) returns (num_parts, T, hidden) terms summing to the output."""
         xz = self.in_proj(hidden_states)  # (T, 2 * d_inner)
-        y = split_op(self.ssm, (xz,), ctx)  # (T, d_inner), gated by silu(z)
+        y = split_op(self.state_core, (xz,), ctx)  # (T, d_inner), gated by silu(z)
         return project_out(self.out_proj, y, partials)
+
+    def state_core(self, xz: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """`ssm`, with speculative decoding's verify rows run position by position (`layers.verify`)."""
+        return run_state_op(self.ssm, xz, ctx, self.cache_index)
 
     def decay_rates(self) -> torch.Tensor:
         """A = -exp(A_log), float32 (d_inner, d_state): `cached_decay_rates`."""

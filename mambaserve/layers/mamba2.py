@@ -37,6 +37,7 @@ from mambaserve.distributed import TensorParallelGroup, all_reduce, current_grou
 from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.graph_split import recording, split_op
 from mambaserve.layers.linear import ColumnParallelLinear, RowParallelLinear, Shard, divide, set_shard
+from mambaserve.layers.verify import run_state_op
 
 
 def project_out(out_proj: RowParallelLinear, y: torch.Tensor, partials: bool) -> torch.Tensor:
@@ -188,7 +189,7 @@ class Mamba2Mixer(nn.Module):
         zxbcdt = self.in_proj(hidden_states)  # (T, I + conv_dim + H)
         if partials and self._norm_in_out_proj(ctx, zxbcdt.shape[0]):
             return self._decode_norm_in_out_proj(zxbcdt, ctx)
-        y = split_op(self.ssm, (zxbcdt,), ctx)  # (T, I); already times silu(z) without a norm
+        y = split_op(self.state_core, (zxbcdt,), ctx)  # (T, I); already times silu(z) without a norm
         if self.norm_spans_ranks and self.norm is not None:
             y = self._gated_norm_over_ranks(y, zxbcdt[:, :I])
         elif self.norm is not None:
@@ -237,6 +238,10 @@ class Mamba2Mixer(nn.Module):
         if self.norm_before_gate:
             h = h * gate
         return h.to(y.dtype)
+
+    def state_core(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """`ssm`, with speculative decoding's verify rows run position by position (`layers.verify`)."""
+        return run_state_op(self.ssm, zxbcdt, ctx, self.cache_index)
 
     def decay_rates(self) -> torch.Tensor:
         """A = -exp(A_log), float32 (nheads,): `cached_decay_rates`."""

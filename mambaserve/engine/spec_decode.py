@@ -1,0 +1,156 @@
+"""Speculative decoding in the engine loop: proposing drafts before a step, verifying them
+after it, and carrying each verifying sequence's accepted state into its slot.
+
+Per step (`LLMEngine`): `propose` gives every running decode its drafts (`seq.spec_token_ids`,
+at most k, cut so that the 1 + k tokens it may emit stay within max_tokens and max_model_len);
+the scheduler gives a decode with drafts 1 + k tokens; the runner's forward writes the state
+after each of them into scratch state rows (`layers.verify`) and returns k + 1 rows of logits;
+`verify` runs the rejection sampler (`engine.rejection_sampler`), returns the emitted tokens
+(the accepted drafts and one more) as new-token entries for the output processor, which
+truncates them at a stop, and remembers, per sequence, the state row of its last accepted
+position; `take_state_loads` hands those (row, slot) copies to the next step, which runs
+them before its forward (after the scheduler has run: a sequence preempted or finished
+meanwhile is skipped). A checkpoint of prefix caching is only ever saved from a slot, which
+then holds an exact state: the verify forward never writes the slot.
+
+No drafts for a sequence with penalties, min_tokens still to reach, a structured output or
+fewer than two tokens to go: its verify rows' distributions would depend on the drafts
+before them. Such sequences decode one token a step as before.
+
+Async scheduling does not chain decode steps while speculative decoding is on: drafts are
+proposed from the host's tokens, which a chained step runs ahead of.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mambaserve.config import SpeculativeConfig
+from mambaserve.engine.rejection_sampler import verify_drafts
+from mambaserve.engine.sequence import Sequence, SequenceStatus
+
+
+class NgramProposer:
+    """Prompt lookup: for n from prompt_lookup_max down to prompt_lookup_min, the last n tokens
+    of the sequence are looked up among its earlier tokens; the latest earlier match proposes
+    the (up to k) tokens that followed it. Plain numpy over the host's token list."""
+
+    def __init__(self, prompt_lookup_max: int, prompt_lookup_min: int):
+        self.n_max, self.n_min = prompt_lookup_max, prompt_lookup_min
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to k drafts continuing token_ids ([] when no n-gram recurs)."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        total = len(tokens)
+        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
+            # windows starting at 0..total-n-1: every n-gram before the final one
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
+            hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start : start + k].tolist()
+        return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's counters: drafts (verifying sequence-steps), draft tokens proposed, drafts
+    accepted, and accepted drafts per position (index j: the (j + 1)-th draft of a step)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_proposed:
+            self.num_accepted_tokens_per_pos.extend([0] * (num_proposed - len(self.num_accepted_tokens_per_pos)))
+        for j in range(num_accepted):
+            self.num_accepted_tokens_per_pos[j] += 1
+
+
+class SpecDecoder:
+    """The engine's speculative decoding (module docstring). sampler: the engine's; constrains:
+    the structured outputs' test for a grammar-constrained sequence; accept_fraction: a
+    benchmark tool only (None in normal use), see `forced_acceptance`."""
+
+    def __init__(self, config: SpeculativeConfig, sampler, constrains, max_model_len: int,
+                 accept_fraction: float | None = None):
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config: method {config.method!r} is not available here")
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
+        self.sampler, self.constrains, self.max_model_len = sampler, constrains, max_model_len
+        self.stats = SpecDecodeStats()
+        self.accept_fraction = accept_fraction
+        self._pending: list[tuple[Sequence, int, int]] = []  # (sequence, its slot, state row to load)
+
+    def max_drafts(self, seq: Sequence) -> int:
+        """How many drafts seq may verify in its next step (0: none; module docstring)."""
+        p = seq.sampling_params
+        if (seq.num_uncomputed_tokens != 1 or p.has_penalties or seq.num_output_tokens < p.min_tokens
+                or self.constrains([seq])):
+            return 0
+        return max(0, min(self.k, (p.max_tokens or self.max_model_len) - seq.num_output_tokens - 1,
+                          self.max_model_len - seq.num_tokens - 1))
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set every running sequence's drafts for the next step."""
+        for seq in running:
+            k = self.max_drafts(seq)
+            seq.spec_token_ids = self._propose(seq, k) if k else []
+
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        if self.accept_fraction is not None:
+            return forced_drafts(seq, k)
+        return self.proposer.propose(seq.all_token_ids, k)
+
+    def verify(self, result) -> list[tuple[Sequence, int, dict | None]]:
+        """The new-token entries of a step's verifying sequences (`StepLogits.verify`), in
+        order, a sequence's accepted drafts then its next token; aborted ones are skipped.
+        Counts the metrics and remembers each sequence's accepted state row."""
+        seqs = [s.seq for s in result.verify]
+        drafts = [s.spec_token_ids for s in result.verify]
+        if self.accept_fraction is not None:
+            emitted = forced_acceptance(drafts, self.accept_fraction)
+        else:
+            emitted = verify_drafts(self.sampler, result.verify_logits, seqs, drafts)
+        entries = []
+        for seq, d, rows, (tokens, lps) in zip(seqs, drafts, result.verify_state_rows, emitted):
+            self.stats.record(len(d), len(tokens) - 1)
+            if seq.is_finished:
+                continue
+            self._pending.append((seq, seq.state_slot, rows[len(tokens) - 1]))
+            entries.extend((seq, t, lp) for t, lp in zip(tokens, lps))
+        return entries
+
+    def take_state_loads(self) -> list[tuple[int, int]]:
+        """(state row, slot) copies of the accepted states, for the next forward: only of the
+        sequences still running in the slot they verified in."""
+        pending, self._pending = self._pending, []
+        return [(row, slot) for seq, slot, row in pending
+                if seq.status == SequenceStatus.RUNNING and seq.state_slot == slot]
+
+
+def forced_drafts(seq: Sequence, k: int) -> list[int]:
+    """Benchmark tool: k drafts repeating the last token (their values do not matter to
+    `forced_acceptance`)."""
+    return [seq.last_token_id] * k
+
+
+def forced_acceptance(drafts: list[list[int]], fraction: float) -> list[tuple[list[int], list[None]]]:
+    """Benchmark tool (`MAMBASERVE_SPEC_FORCE_ACCEPT`): accept round(fraction * k) drafts of each
+    sequence whatever the target says, and emit its last accepted draft's value once more, so
+    that a dummy-weight model (which accepts nothing) shows the cost side of a verify step at a
+    chosen acceptance. The outputs are not the model's: never for real use."""
+    out = []
+    for d in drafts:
+        a = min(len(d), round(fraction * len(d)))
+        tokens = list(d[:a]) + [d[0] if d else 0]
+        out.append((tokens, [None] * len(tokens)))
+    return out

@@ -1,0 +1,192 @@
+"""Speculative decoding end to end: greedy outputs with drafts verified equal outputs without,
+token for token, for every family; the rejection sampler keeps the target distribution.
+
+Random tiny checkpoints rarely repeat themselves, so n-gram drafts seldom hit; an oracle
+proposer (the reference run's own continuation, with some drafts corrupted) makes every
+acceptance length happen, and the n-gram proposer runs on repetitive prompts too."""
+
+import pytest
+import torch
+
+from mambaserve import SamplingParams
+from mambaserve.engine.rejection_sampler import verify_drafts
+from mambaserve.engine.sampler import Sampler
+from mambaserve.engine.sequence import Sequence
+from tests.engine.engines import EVERY_FAMILY, make, run
+from tests.models.tiny import hf_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def ngram(k, lo=1, hi=3):
+    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": hi, "prompt_lookup_min": lo}
+
+
+def spec_prompts(name, seed=0):
+    """Repetitive prompts (n-gram hits), random ones (misses), lengths 1 to 40."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = hf_model(name).config.vocab_size
+    rnd = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    motif = rnd(5)
+    return [motif * 6, rnd(1), rnd(17), motif * 3 + rnd(2) + motif, rnd(40)]
+
+
+def oracle(llm, prompts, refs, corrupt_every=3, skip=lambda p: len(p) == 1):
+    """Make the engine's proposer propose the reference continuation, the draft at position
+    (step % k) replaced by a wrong token every `corrupt_every` steps; sequences whose prompt
+    `skip` picks propose nothing (plain decodes beside the verifying ones)."""
+    spec = llm.llm_engine.spec
+    by_prompt = {tuple(p): r for p, r in zip(prompts, refs)}
+    vocab = llm.llm_engine.vocab_size
+    calls = [0]
+
+    def propose(seq, k):
+        if skip(seq.prompt_token_ids):
+            return []
+        calls[0] += 1
+        drafts = list(by_prompt[tuple(seq.prompt_token_ids)][seq.num_output_tokens : seq.num_output_tokens + k])
+        if drafts and calls[0] % corrupt_every == 0:
+            j = calls[0] % len(drafts)
+            drafts[j] = (drafts[j] + 1) % vocab
+        return drafts
+
+    spec._propose = propose
+    return spec
+
+
+# (family, k): every family, each k of 1, 3, 5 on several of them
+CASES = [("granite-moe", 3), ("bamba", 1), ("mamba2-untied", 5), ("falcon-h1", 3), ("jamba", 5),
+         ("zamba2", 1), ("nemotron-h-moe", 3), ("mamba1", 5)]
+
+
+@pytest.mark.parametrize("name,k", CASES)
+def test_greedy_equal_with_oracle_and_ngram_drafts(name, k):
+    prompts = spec_prompts(name)
+    refs = run(make(name, enable_prefix_caching=False), prompts, GREEDY)
+    llm = make(name, speculative_config=ngram(k), block_size=4, mamba_block_size=8)
+    spec = oracle(llm, prompts, refs)
+    # twice: the second pass hits the prefix cache the first one filled
+    assert run(llm, prompts, GREEDY) == refs
+    assert run(llm, prompts, GREEDY) == refs
+    st = spec.stats
+    assert st.num_drafts > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert llm.llm_engine.usage().prefix_cache_hits > 0
+    del spec._propose  # the n-gram proposer itself
+    assert run(llm, prompts, GREEDY) == refs
+
+
+def test_metrics_match_outputs():
+    name, k = "bamba", 3
+    prompts = spec_prompts(name)
+    refs = run(make(name), prompts, GREEDY)
+    llm = make(name, speculative_config=ngram(k))
+    spec = oracle(llm, prompts, refs)
+    steps = [0]
+    inner = llm.llm_engine.runner.execute
+
+    def counted(scheduled, *a):
+        steps[0] += sum(1 for s in scheduled if s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens)
+        return inner(scheduled, *a)
+
+    llm.llm_engine.runner.execute = counted
+    assert run(llm, prompts, GREEDY) == refs
+    st = spec.stats
+    # every sampling row emits one token; each accepted draft one more (max_tokens cuts the drafts, never them)
+    assert sum(map(len, refs)) == steps[0] + st.num_accepted_tokens
+    assert sum(st.num_accepted_tokens_per_pos) == st.num_accepted_tokens
+    assert all(a >= b for a, b in zip(st.num_accepted_tokens_per_pos, st.num_accepted_tokens_per_pos[1:]))
+    assert len(st.num_accepted_tokens_per_pos) <= k
+
+
+def test_ngram_proposer():
+    from mambaserve.engine.spec_decode import NgramProposer
+
+    p = NgramProposer(3, 1)
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest match of the 3-gram
+    assert p.propose([1, 2, 3, 4, 5], 3) == []  # no n-gram recurs
+    assert p.propose([5, 6, 5], 4) == [6, 5]  # 1-gram, cut at the end
+    assert NgramProposer(3, 2).propose([5, 6, 7, 5], 4) == []  # too short a match
+    assert p.propose([4], 2) == []
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "medusa", "num_speculative_tokens": 2},
+    {"method": "ngram", "num_speculative_tokens": 0},
+    {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+    {"method": "ngram", "num_speculative_tokens": 2, "model": "x"},
+    {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2.5},
+    {"method": "draft_model", "num_speculative_tokens": 2},
+    {"num_speculative_tokens": 2},
+    "ngram",
+])
+def test_bad_speculative_config(spec):
+    from mambaserve.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="speculative_config"):
+        SpeculativeConfig.from_dict(spec)
+
+
+def test_speculative_config_defaults_and_cli():
+    import argparse
+
+    from mambaserve.config import SpeculativeConfig
+    from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
+
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (5, 5)
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
+    assert (c.prompt_lookup_max, c.prompt_lookup_min) == (3, 3)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert engine_config_from_args(args).speculative_config.num_speculative_tokens == 2
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", "{bad"])
+
+
+def _seq(params):
+    return Sequence("r", prompt_token_ids=[1, 2], sampling_params=params)
+
+
+def _chi_square(counts, probs):
+    n = counts.sum()
+    keep = probs * n > 0
+    return float((((counts - n * probs) ** 2)[keep] / (n * probs)[keep]).sum()), int(keep.sum()) - 1
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_rejection_sampler_keeps_target_distribution(with_q):
+    """First emitted token over many draws vs the target p_0, for a point-mass draft (n-gram)
+    and for a draft drawn from a distribution q recorded for the sampler."""
+    torch.manual_seed(0)
+    vocab, n = 6, 20000
+    logits = torch.randn(2, vocab) * 1.5  # rows of one sequence with one draft + the bonus row
+    params = SamplingParams(temperature=0.8, top_k=5)
+    sampler = Sampler(None)
+    p0 = torch.softmax(sampler.adjusted_logits(logits, [_seq(params)] * 2)[0] / 0.8, -1)
+    p0[p0 < p0.sort().values[1]] = 0  # top-k 5 of 6: the smallest drops
+    p0 = p0 / p0.sum()
+    q = torch.softmax(torch.randn(vocab), -1)
+    seqs = [_seq(params) for _ in range(n)]
+    drafts = ([[int(torch.multinomial(q, 1))] for _ in range(n)] if with_q else [[int(p0.argmin() + 1) % vocab]] * n)
+    out = verify_drafts(sampler, logits.repeat(n, 1), seqs, drafts, [q[None]] * n if with_q else None)
+    first = torch.bincount(torch.tensor([toks[0] for toks, _ in out]), minlength=vocab).double()
+    stat, dof = _chi_square(first, p0.double())
+    assert stat < 30.0 + 3 * dof, (first / n, p0)  # far above chance only when the law is wrong
+    assert first[p0 == 0].sum() == 0
+
+
+def test_greedy_rejection_sampler_rows():
+    sampler = Sampler(None)
+    logits = torch.full((4, 5), -5.0)
+    logits[0, 2] = logits[1, 3] = logits[2, 1] = logits[3, 4] = 5.0  # argmax: 2, 3, 1, 4
+    seqs = [_seq(SamplingParams(temperature=0.0, logprobs=1))]
+    (tokens, lps), = verify_drafts(sampler, logits, seqs, [[2, 3, 0]])
+    assert tokens == [2, 3, 1]
+    assert [next(iter(d)) for d in lps] == tokens and lps[0][2].rank == 1
+    (tokens, _), = verify_drafts(sampler, logits, seqs, [[2, 3, 1]])
+    assert tokens == [2, 3, 1, 4]  # all accepted: the bonus token
+
+
+def test_cases_cover_every_family():
+    assert {n for n, _ in CASES} == set(EVERY_FAMILY) and {k for _, k in CASES} == {1, 3, 5}
