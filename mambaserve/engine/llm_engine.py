@@ -243,11 +243,11 @@ class LLMEngine:
             (seq, token, lps) for seq, token, lps in zip(step.result.sample_seqs, sampled.token_ids, sampled.logprobs)
             if not seq.is_finished]  # finished before the step was processed: its token is dropped
         new_tokens += self.spec.verify(step.result) if step.result.verify else []
-        self.stats.generation_tokens += len(new_tokens)
         ahead = self._inflight.result.sample_seqs if self._inflight and self._inflight.sample is None else None
         # the grammars take the tokens first: the masks of the step in flight fill meanwhile, off this thread
         closed = self.structured_outputs.accept(new_tokens, fill_ahead=ahead)
         finished, touched = self.output_processor.process(live, step.result.prompt_logits, new_tokens, closed)
+        self.stats.generation_tokens += self.output_processor.num_appended
         for seq, status in finished:
             self.scheduler.finish(seq, status)
         return self.output_processor.outputs(touched)

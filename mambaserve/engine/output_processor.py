@@ -63,6 +63,7 @@ class OutputProcessor:
         self.structured_outputs = structured_outputs
         self.requests: dict[str, RequestState] = {}
         self._seq_owner: dict[str, tuple[RequestState, int]] = {}  # sequence id -> (request, completion index)
+        self.num_appended = 0  # tokens the last `process` appended (kept): its dropped ones not counted
 
     # ------------------------------------------------------------------ the request table
     def add(self, req: ProcessedRequest, final_only: bool) -> RequestState:
@@ -111,7 +112,7 @@ class OutputProcessor:
                 self._store_prompt_logprobs(seq, *prompt_logits[seq.request_id])
             elif seq.sampling_params.prompt_logprobs is not None and seq.prompt_logprobs is None:
                 seq.prompt_logprobs = [None] * seq.num_prompt_tokens  # a one-token prompt: [None]
-        finished, seen, done = [], set(), set()
+        finished, seen, done, appended = [], set(), set(), 0
         now = time.time()
         for seq, token, lps in new_tokens:
             if id(seq) in done:
@@ -123,10 +124,12 @@ class OutputProcessor:
             if req.first_token_time is None:
                 req.first_token_time = now
             seq.append_token(token, lps)
+            appended += 1
             status = self._update_text_and_stop(req.decode[idx], seq, token, seq not in closed)
             if status is not None:
                 finished.append((seq, status))
                 done.add(id(seq))
+        self.num_appended = appended
         return finished, list(touched.values())
 
     def outputs(self, touched: list[RequestState]) -> list[RequestOutput]:

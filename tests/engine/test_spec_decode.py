@@ -190,3 +190,90 @@ def test_greedy_rejection_sampler_rows():
 
 def test_cases_cover_every_family():
     assert {n for n, _ in CASES} == set(EVERY_FAMILY) and {k for _, k in CASES} == {1, 3, 5}
+
+
+@pytest.mark.parametrize("name", ["bamba", "jamba"])
+def test_chunked_prefill_preemption_n_and_piecewise(name):
+    """A small step budget (chunked prompts, drafts cut to the budget left), a KV pool that
+    forces preemptions, n = 2, and the piecewise runner's padding (eager stand-in)."""
+    from tests.engine.engines import EagerPiecewise
+
+    prompts = spec_prompts(name, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2)
+    kw = dict(max_num_batched_tokens=12, block_size=4, num_kv_blocks=16, mamba_block_size=8, max_model_len=64)
+    refs = run(make(name, enable_prefix_caching=False), prompts, GREEDY)
+    llm = make(name, speculative_config=ngram(4), **kw)
+    runner = llm.llm_engine.runner
+    runner.piecewise_graphs = EagerPiecewise(runner.model)
+    spec = oracle(llm, prompts, refs, skip=lambda p: False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in refs]
+    assert llm.llm_engine.usage().preemptions > 0 and spec.stats.num_accepted_tokens > 0
+
+
+def test_stops_inside_accepted_tokens_and_logprobs():
+    """max_tokens and a stop token falling inside a step's accepted drafts cut the output
+    there; logprobs of accepted tokens are the plain run's."""
+    name = "granite-moe"
+    prompts = spec_prompts(name)
+    refs = run(make(name), prompts, GREEDY)
+    stop = [refs[i][6] for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_tokens=7 + i, ignore_eos=True, stop_token_ids=[stop[i]],
+                             logprobs=2) for i in range(len(prompts))]
+    plain = make(name).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = make(name, speculative_config=ngram(5))
+    spec = oracle(llm, prompts, refs, corrupt_every=4, skip=lambda p: False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert spec.stats.num_accepted_tokens > 0
+    for a, b in zip(plain, outs):
+        a, b = a.outputs[0], b.outputs[0]
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.stop_reason == b.stop_reason
+        assert len(b.logprobs) == len(b.token_ids)
+        for da, db in zip(a.logprobs, b.logprobs):
+            assert da.keys() == db.keys()
+            for t in da:
+                assert abs(da[t].logprob - db[t].logprob) < 1e-4 and da[t].rank == db[t].rank
+
+
+def test_async_scheduling_does_not_chain_while_speculating():
+    from tests.engine.engines import count_chained
+
+    name = "mamba2-untied"
+    prompts = spec_prompts(name)
+    refs = run(make(name), prompts, GREEDY)
+    llm = make(name, speculative_config=ngram(2), async_scheduling=True)
+    calls = count_chained(llm)
+    oracle(llm, prompts, refs)
+    assert run(llm, prompts, GREEDY) == refs and calls[0] == 0
+
+
+@pytest.mark.slow
+def test_sampled_outputs_keep_the_distribution():
+    """Joint histogram of the second and third output tokens (verified with a draft: the first
+    one comes from the prefill)
+    over many seeded requests, with and without speculation: a two-sample chi-square test.
+    allowed_token_ids makes the vocabulary 4 tokens; the oracle drafts a fixed token."""
+    name = "bamba"
+    prompt = spec_prompts(name)[2]
+    allowed = [5, 9, 14, 20]
+    n = 600
+    params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=s, allowed_token_ids=allowed)
+              for s in range(n)]
+
+    def hist(llm):
+        outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+        h = torch.zeros(len(allowed) ** 2, dtype=torch.float64)
+        for o in outs:
+            _, a, b = o.outputs[0].token_ids
+            h[allowed.index(a) * len(allowed) + allowed.index(b)] += 1
+        return h
+
+    plain = hist(make(name, max_num_seqs=64))
+    llm = make(name, max_num_seqs=64, speculative_config=ngram(1))
+    llm.llm_engine.spec._propose = lambda seq, k: [allowed[1]]
+    spec = hist(llm)
+    assert llm.llm_engine.spec.stats.num_accepted_tokens > 0
+    keep = (plain + spec) > 0
+    stat = float((((plain - spec) ** 2)[keep] / (plain + spec)[keep]).sum())
+    dof = int(keep.sum()) - 1
+    assert stat < dof + 4 * (2 * dof) ** 0.5 + 10, (plain, spec)
