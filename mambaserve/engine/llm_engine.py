@@ -95,9 +95,10 @@ class LLMEngine:
             prefix_cache=pools.prefix_cache, min_inner_save_offset=runner.spec.min_inner_save_offset,
             max_num_verify_seqs=runner.max_num_verify_seqs)
         self.sampler = Sampler(eos + extra_eos or None)
-        self.spec = None if config.speculative_config is None else SpecDecoder(
-            config.speculative_config, self.sampler, self.structured_outputs.constrains, runner.max_model_len)
         self.stats = EngineStats()
+        self.spec = None if config.speculative_config is None else SpecDecoder(
+            config.speculative_config, self.sampler, self.structured_outputs.constrains, runner.max_model_len,
+            self.stats.spec_decode)
         self._counter = itertools.count()
         self._inflight: _Step | None = None  # a decode step launched ahead (async scheduling)
         self._stat_logger = None if config.disable_log_stats else StatLogger()

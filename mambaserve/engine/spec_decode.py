@@ -23,13 +23,12 @@ proposed from the host's tokens, which a chained step runs ahead of.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from mambaserve.config import SpeculativeConfig
 from mambaserve.engine.rejection_sampler import verify_drafts
 from mambaserve.engine.sequence import Sequence, SequenceStatus
+from mambaserve.engine.stats import SpecDecodeStats
 
 
 class NgramProposer:
@@ -54,39 +53,20 @@ class NgramProposer:
         return []
 
 
-@dataclass
-class SpecDecodeStats:
-    """vLLM's counters: drafts (verifying sequence-steps), draft tokens proposed, drafts
-    accepted, and accepted drafts per position (index j: the (j + 1)-th draft of a step)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_proposed
-        self.num_accepted_tokens += num_accepted
-        if len(self.num_accepted_tokens_per_pos) < num_proposed:
-            self.num_accepted_tokens_per_pos.extend([0] * (num_proposed - len(self.num_accepted_tokens_per_pos)))
-        for j in range(num_accepted):
-            self.num_accepted_tokens_per_pos[j] += 1
-
-
 class SpecDecoder:
     """The engine's speculative decoding (module docstring). sampler: the engine's; constrains:
-    the structured outputs' test for a grammar-constrained sequence; accept_fraction: a
+    the structured outputs' test for a grammar-constrained sequence; stats: the counters it
+    adds to (the engine's `EngineStats.spec_decode`); accept_fraction: a
     benchmark tool only (None in normal use), see `forced_acceptance`."""
 
     def __init__(self, config: SpeculativeConfig, sampler, constrains, max_model_len: int,
-                 accept_fraction: float | None = None):
+                 stats: SpecDecodeStats | None = None, accept_fraction: float | None = None):
         if config.method != "ngram":
             raise ValueError(f"speculative_config: method {config.method!r} is not available here")
         self.k = config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
         self.sampler, self.constrains, self.max_model_len = sampler, constrains, max_model_len
-        self.stats = SpecDecodeStats()
+        self.stats = stats if stats is not None else SpecDecodeStats()
         self.accept_fraction = accept_fraction
         self._pending: list[tuple[Sequence, int, int]] = []  # (sequence, its slot, state row to load)
 

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from mambaserve.engine.stats import EngineUsage, format_prefix_cache_hit_rate
+from mambaserve.engine.stats import EngineUsage, SpecDecodeStats, format_prefix_cache_hit_rate, format_spec_decode
 
 logger = logging.getLogger("mambaserve")
 
@@ -49,7 +49,8 @@ class StatLogger:
     """The periodic stats line: call `maybe_log(engine.usage)` after every step (cheap); every
     `interval` seconds it logs the prompt and generation throughput since the last line, the
     running and waiting sequences, the state-slot and KV-block use and, once the prefix cache
-    has been looked up, its hit rate over the period (tokens served / tokens looked up). Idle periods (no tokens,
+    has been looked up, its hit rate over the period (tokens served / tokens looked up), and,
+    once speculative decoding has drafted, its acceptance over the period. Idle periods (no tokens,
     nothing queued) after a line of zeros are not logged again."""
 
     def __init__(self, interval: float = STATS_INTERVAL_S):
@@ -57,6 +58,7 @@ class StatLogger:
         self._last_time = time.monotonic()
         self._last_prompt = self._last_gen = 0
         self._last_queries = self._last_hits = 0  # prefix-cache tokens looked up / served
+        self._last_spec = SpecDecodeStats()
         self._idle_logged = False
 
     def maybe_log(self, read_usage: Callable[[], EngineUsage], now: float | None = None) -> str | None:
@@ -84,5 +86,8 @@ class StatLogger:
                 f"Preemptions: {usage.preemptions}")
         if usage.prefix_cache_queries:  # caching on and used at least once
             line += ", " + format_prefix_cache_hit_rate(queries, hits)
+        if usage.spec_decode.num_drafts:  # speculative decoding on and drafting
+            line += ", " + format_spec_decode(usage.spec_decode, self._last_spec)
+            self._last_spec = usage.spec_decode
         logger.info(line)
         return line

@@ -33,6 +33,29 @@ class StepKindStats:
     max_step_seconds: float = 0.0
 
 
+@dataclass
+class SpecDecodeStats:
+    """vLLM's counters: drafts (verifying sequence-steps), draft tokens proposed, drafts
+    accepted, and accepted drafts per position (index j: the (j + 1)-th draft of a step)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_proposed:
+            self.num_accepted_tokens_per_pos.extend([0] * (num_proposed - len(self.num_accepted_tokens_per_pos)))
+        for j in range(num_accepted):
+            self.num_accepted_tokens_per_pos[j] += 1
+
+    def copy(self) -> SpecDecodeStats:
+        return dataclasses.replace(self, num_accepted_tokens_per_pos=list(self.num_accepted_tokens_per_pos))
+
+
 @dataclass(frozen=True)
 class EngineUsage:
     """A snapshot of the engine's load and counters.
@@ -48,6 +71,7 @@ class EngineUsage:
     tokens, waiting for or doing fills, launching the masks): their share of the critical path.
     prefix_cache_queries / prefix_cache_hits: prompt tokens looked up in the prefix cache at
     admission / served from it (`Scheduler.prefix_cache_stats`; both only grow, 0 with caching off).
+    spec_decode: speculative decoding's counters (a copy; all zero without it).
     """
 
     num_running: int
@@ -65,6 +89,7 @@ class EngineUsage:
     structured_output_host_s: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats())
 
 
 @dataclass
@@ -76,6 +101,7 @@ class EngineStats:
     steps: int = 0
     preemptions: int = 0
     step_breakdown: dict[str, StepKindStats] = field(default_factory=dict)
+    spec_decode: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats())
 
     def count_step(self, live) -> None:
         """Count a processed step. live: its ScheduledSequences still unfinished, with their
@@ -114,7 +140,7 @@ class EngineStats:
             structured_output_mask_s=structured_outputs.mask_seconds,
             structured_output_host_s=structured_outputs.host_seconds,
             prefix_cache_queries=scheduler.prefix_cache_stats.queries,
-            prefix_cache_hits=scheduler.prefix_cache_stats.hits)
+            prefix_cache_hits=scheduler.prefix_cache_stats.hits, spec_decode=self.spec_decode.copy())
 
 
 def format_prefix_cache_hit_rate(queries: int, hits: int) -> str:
@@ -123,3 +149,19 @@ def format_prefix_cache_hit_rate(queries: int, hits: int) -> str:
     covers (differences of `EngineUsage.prefix_cache_queries` / `prefix_cache_hits`); a period
     without queries reads 0.0%."""
     return f"Prefix cache hit rate: {100.0 * hits / queries if queries else 0.0:.1f}%"
+
+
+def format_spec_decode(now: SpecDecodeStats, before: SpecDecodeStats) -> str:
+    """The speculative-decoding part of a stats line over a period (the difference of two
+    snapshots), as vLLM reports it: draft acceptance rate (accepted / drafted tokens), mean
+    acceptance length (tokens emitted per verifying step: 1 + accepted / drafts) and the
+    acceptance rate of each draft position."""
+    drafts = now.num_drafts - before.num_drafts
+    drafted = now.num_draft_tokens - before.num_draft_tokens
+    accepted = now.num_accepted_tokens - before.num_accepted_tokens
+    old = before.num_accepted_tokens_per_pos + [0] * len(now.num_accepted_tokens_per_pos)
+    per_pos = ", ".join(f"{(a - b) / drafts:.3f}" if drafts else "0.000"
+                        for a, b in zip(now.num_accepted_tokens_per_pos, old))
+    return (f"Spec decode: draft acceptance rate {100.0 * accepted / drafted if drafted else 0.0:.1f}%, "
+            f"mean acceptance length {1 + accepted / drafts if drafts else 0.0:.2f}, "
+            f"accepted {accepted} of {drafted} draft tokens, per-position acceptance rate {per_pos or '-'}")

@@ -41,6 +41,9 @@ VLLM_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:
                 "vllm:request_success_total", "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
                 "vllm:request_generation_tokens", "vllm:avg_generation_throughput_toks_per_s")
+# exposed once speculative decoding drafts (`SpecDecodeCollector`)
+SPEC_DECODE_METRICS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                       "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
 _TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))  # 1 ... 500,000 tokens
 
 # Counters get no `_created` series (vLLM's dashboards do not read them; every scrape would carry one per series).
@@ -102,11 +105,14 @@ class ServerMetrics:
         self.throughput.set_function(self._throughput)
         self.prefix_cache = PrefixCacheCollector(model_name)
         r.register(self.prefix_cache)
+        self.spec_decode = SpecDecodeCollector(model_name)
+        r.register(self.spec_decode)
 
     def update_engine(self, usage: EngineUsage) -> None:
         """Copy the engine's counts (`LLMEngine.usage()`) into the gauges and counters. Call
         from the loop thread."""
         self.prefix_cache.update(usage)
+        self.spec_decode.update(usage)
         self.running.set(usage.num_running)
         self.waiting.set(usage.num_waiting)
         self.slots_used.set(usage.num_slots_used)
@@ -188,3 +194,41 @@ class PrefixCacheCollector:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+
+
+# ---------------------------------------------------------------------------- speculative decoding
+class SpecDecodeCollector:
+    """vLLM's speculative-decoding counters, read from `EngineUsage.spec_decode` at scrape time:
+    `vllm:spec_decode_num_drafts` (verifying sequence-steps), `_num_draft_tokens`,
+    `_num_accepted_tokens`, and `_num_accepted_tokens_per_pos` labelled by draft position
+    (0-based); `_total` samples labelled with model_name, no `_created` series. Nothing is
+    exposed until the engine has drafted (an engine without speculative decoding shows none)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats = None
+
+    def update(self, usage: EngineUsage) -> None:
+        """Take the engine's counts (the loop thread; one reference store, read whole by a scrape)."""
+        self.stats = usage.spec_decode if usage.spec_decode.num_drafts else None
+
+    def describe(self):
+        return []  # the names appear only once drafting starts
+
+    def collect(self):
+        st = self.stats
+        if st is None:
+            return
+        for name, doc, value in (
+                ("vllm:spec_decode_num_drafts", "Sequence-steps that verified drafts.", st.num_drafts),
+                ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", st.num_draft_tokens),
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", st.num_accepted_tokens)):
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, by position in the draft.",
+                                     labels=["model_name", "position"])
+        for pos, value in enumerate(st.num_accepted_tokens_per_pos):
+            family.add_metric([self.model_name, str(pos)], value)
+        yield family

@@ -277,3 +277,32 @@ def test_sampled_outputs_keep_the_distribution():
     stat = float((((plain - spec) ** 2)[keep] / (plain + spec)[keep]).sum())
     dof = int(keep.sum()) - 1
     assert stat < dof + 4 * (2 * dof) ** 0.5 + 10, (plain, spec)
+
+
+def test_stats_line_and_prometheus_counters():
+    from mambaserve.engine.stat_logger import StatLogger
+    from mambaserve.entrypoints.metrics import SPEC_DECODE_METRICS, ServerMetrics
+
+    name = "bamba"
+    prompts = spec_prompts(name)
+    refs = run(make(name), prompts, GREEDY)
+    llm = make(name, speculative_config=ngram(3))
+    oracle(llm, prompts, refs)
+    metrics = ServerMetrics("m")
+    metrics.update_engine(llm.llm_engine.usage())
+    assert b"spec_decode" not in metrics.render()  # nothing drafted yet
+    assert run(llm, prompts, GREEDY) == refs
+    usage = llm.llm_engine.usage()
+    st = usage.spec_decode
+    assert st == llm.llm_engine.spec.stats and st is not llm.llm_engine.spec.stats  # a snapshot
+    metrics.update_engine(usage)
+    text = metrics.render().decode()
+    for metric in SPEC_DECODE_METRICS:
+        assert metric + "_total{" in text
+    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(st.num_accepted_tokens)}' in text
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
+           f'{float(st.num_accepted_tokens_per_pos[0])}' in text
+    line = StatLogger(interval=0.0).maybe_log(llm.llm_engine.usage)
+    rate = 100.0 * st.num_accepted_tokens / st.num_draft_tokens
+    assert f"Spec decode: draft acceptance rate {rate:.1f}%" in line
+    assert f"mean acceptance length {1 + st.num_accepted_tokens / st.num_drafts:.2f}" in line
