@@ -25,6 +25,9 @@
 #                      decode and prefill at 1,024 and 31,500 in, bamba-9b decode at batch 1 and 32, the decode-step
 #                      fusions on and off (graphed-unfused: the launches before them); then bench latency granite
 #                      31,500 / 128 / batch 1 (set MAMBASERVE_COMMIT: the copy has no .git; ~8 min)
+#   spec-decode        benchmarks/spec_decode.py: the demo model's n-gram acceptance on code-like prompts (k=4), then
+#                      granite-4.0-tiny-preview and bamba-9b with 70% of 4 drafts force-accepted: verify step vs
+#                      decode step at batch 1 and 32, batch-1 decode speed-up (set MAMBASERVE_COMMIT; ~6 min)
 # Afterwards, in the checkout: `python3 benchmarks/file_results.py OUT/*.json --commit HASH` files the
 # latency and throughput records (and bench-models.json) under benchmarks/results/<gpu>/; kernel and
 # profile records go by hand to <gpu>/kernels/ and <gpu>/profiles/ (benchmarks/results/README.md).
@@ -55,6 +58,15 @@ case "${1:-}" in
       2>&1 | grep -E "^\[|Error|Traceback" | cut -c1-200
     timeout 300 python3 benchmarks/fp8.py --models bamba-9b --output "$OUT/fp8-bamba-9b.json" \
       2>&1 | grep -E "^\[|Error|Traceback" | cut -c1-200
+    ;;
+  spec-decode)
+    # one process per part and model, so that a timeout keeps the others' JSON
+    timeout 150 python3 benchmarks/spec_decode.py --parts acceptance --output "$OUT/spec-decode-acceptance.json" 2>&1 \
+      | grep -E "^\[|Error|Traceback" | cut -c1-200
+    for m in granite-4.0-tiny-preview bamba-9b; do
+      timeout 200 python3 benchmarks/spec_decode.py --parts cost --models "$m" --output "$OUT/spec-decode-$m.json" 2>&1 \
+        | grep -E "^\[|Error|Traceback" | cut -c1-200
+    done
     ;;
   models)
     timeout 570 python3 benchmarks/bench_models.py --out-dir "$OUT" --budget-s 540 2>&1 | tail -40
@@ -128,6 +140,6 @@ case "${1:-}" in
       --output-json "$OUT/latency-granite-4.0-tiny-preview-in31500-out128-bs1.json" 2>&1 \
       | grep -E "^Avg latency|decode time|prefill|Error" | sed "s/^/[granite in31500 out128 bs1] /"
     ;;
-  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps|structured-outputs|prefix-caching|step-floor" >&2; exit 2 ;;
+  *) echo "usage: $0 models|async-scheduling|zamba2-nemotron-h|mamba1|kernels|throughput-steps|structured-outputs|prefix-caching|step-floor|spec-decode" >&2; exit 2 ;;
 esac
 echo "results in $OUT"

@@ -23,6 +23,8 @@ proposed from the host's tokens, which a chained step runs ahead of.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from mambaserve.config import SpeculativeConfig
@@ -53,11 +55,14 @@ class NgramProposer:
         return []
 
 
+FORCE_ACCEPT_ENV = "MAMBASERVE_SPEC_FORCE_ACCEPT"
+
+
 class SpecDecoder:
     """The engine's speculative decoding (module docstring). sampler: the engine's; constrains:
     the structured outputs' test for a grammar-constrained sequence; stats: the counters it
-    adds to (the engine's `EngineStats.spec_decode`); accept_fraction: a
-    benchmark tool only (None in normal use), see `forced_acceptance`."""
+    adds to (the engine's `EngineStats.spec_decode`); accept_fraction: a benchmark tool only
+    (`ForcedAcceptance`; default: $MAMBASERVE_SPEC_FORCE_ACCEPT, unset in normal use)."""
 
     def __init__(self, config: SpeculativeConfig, sampler, constrains, max_model_len: int,
                  stats: SpecDecodeStats | None = None, accept_fraction: float | None = None):
@@ -67,7 +72,9 @@ class SpecDecoder:
         self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
         self.sampler, self.constrains, self.max_model_len = sampler, constrains, max_model_len
         self.stats = stats if stats is not None else SpecDecodeStats()
-        self.accept_fraction = accept_fraction
+        if accept_fraction is None and os.environ.get(FORCE_ACCEPT_ENV):
+            accept_fraction = float(os.environ[FORCE_ACCEPT_ENV])
+        self.forced = None if accept_fraction is None else ForcedAcceptance(accept_fraction)
         self._pending: list[tuple[Sequence, int, int]] = []  # (sequence, its slot, state row to load)
 
     def max_drafts(self, seq: Sequence) -> int:
@@ -86,8 +93,8 @@ class SpecDecoder:
             seq.spec_token_ids = self._propose(seq, k) if k else []
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
-        if self.accept_fraction is not None:
-            return forced_drafts(seq, k)
+        if self.forced is not None:
+            return [seq.last_token_id] * k  # any values: the forced acceptance ignores them
         return self.proposer.propose(seq.all_token_ids, k)
 
     def verify(self, result) -> list[tuple[Sequence, int, dict | None]]:
@@ -96,10 +103,9 @@ class SpecDecoder:
         Counts the metrics and remembers each sequence's accepted state row."""
         seqs = [s.seq for s in result.verify]
         drafts = [s.spec_token_ids for s in result.verify]
-        if self.accept_fraction is not None:
-            emitted = forced_acceptance(drafts, self.accept_fraction)
-        else:
-            emitted = verify_drafts(self.sampler, result.verify_logits, seqs, drafts)
+        emitted = verify_drafts(self.sampler, result.verify_logits, seqs, drafts)
+        if self.forced is not None:
+            emitted = self.forced(drafts, emitted)
         entries = []
         for seq, d, rows, (tokens, lps) in zip(seqs, drafts, result.verify_state_rows, emitted):
             self.stats.record(len(d), len(tokens) - 1)
@@ -117,20 +123,25 @@ class SpecDecoder:
                 if seq.status == SequenceStatus.RUNNING and seq.state_slot == slot]
 
 
-def forced_drafts(seq: Sequence, k: int) -> list[int]:
-    """Benchmark tool: k drafts repeating the last token (their values do not matter to
-    `forced_acceptance`)."""
-    return [seq.last_token_id] * k
+class ForcedAcceptance:
+    """Benchmark tool only ($MAMBASERVE_SPEC_FORCE_ACCEPT=fraction): each verifying sequence
+    accepts its first drafts whatever the target says, `fraction` of all drafts on average (a
+    running remainder carries the fractions between sequences), then emits the target's token
+    at that position. A dummy-weight model accepts nothing; this shows the cost side of
+    speculative decoding at a chosen acceptance (every forward and the rejection sampler still
+    run). The outputs are not the model's: never for real use."""
 
+    def __init__(self, fraction: float):
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"{FORCE_ACCEPT_ENV} must be a fraction in [0, 1], got {fraction}")
+        self.fraction, self._carry = fraction, 0.0
 
-def forced_acceptance(drafts: list[list[int]], fraction: float) -> list[tuple[list[int], list[None]]]:
-    """Benchmark tool (`MAMBASERVE_SPEC_FORCE_ACCEPT`): accept round(fraction * k) drafts of each
-    sequence whatever the target says, and emit its last accepted draft's value once more, so
-    that a dummy-weight model (which accepts nothing) shows the cost side of a verify step at a
-    chosen acceptance. The outputs are not the model's: never for real use."""
-    out = []
-    for d in drafts:
-        a = min(len(d), round(fraction * len(d)))
-        tokens = list(d[:a]) + [d[0] if d else 0]
-        out.append((tokens, [None] * len(tokens)))
-    return out
+    def __call__(self, drafts: list[list[int]], emitted: list[tuple[list[int], list]]) -> list[tuple[list[int], list]]:
+        """emitted: `verify_drafts`' result for these drafts; returns it with the forced counts."""
+        out = []
+        for d, (tokens, _) in zip(drafts, emitted):
+            self._carry += self.fraction * len(d)
+            a = min(len(d), int(self._carry + 1e-9))
+            self._carry -= a
+            out.append((list(d[:a]) + [tokens[-1]], [None] * (a + 1)))
+        return out

@@ -300,9 +300,48 @@ def test_stats_line_and_prometheus_counters():
     for metric in SPEC_DECODE_METRICS:
         assert metric + "_total{" in text
     assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(st.num_accepted_tokens)}' in text
-    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} ' \
-           f'{float(st.num_accepted_tokens_per_pos[0])}' in text
+    pos0 = float(st.num_accepted_tokens_per_pos[0])
+    assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="0"}} {pos0}' in text
     line = StatLogger(interval=0.0).maybe_log(llm.llm_engine.usage)
     rate = 100.0 * st.num_accepted_tokens / st.num_draft_tokens
     assert f"Spec decode: draft acceptance rate {rate:.1f}%" in line
     assert f"mean acceptance length {1 + st.num_accepted_tokens / st.num_drafts:.2f}" in line
+
+
+def test_forced_acceptance_benchmark_tool(monkeypatch):
+    """MAMBASERVE_SPEC_FORCE_ACCEPT (benchmarks only): 70% of the drafts accepted on average."""
+    monkeypatch.setenv("MAMBASERVE_SPEC_FORCE_ACCEPT", "0.7")
+    llm = make("bamba", speculative_config=ngram(4))
+    params = SamplingParams(temperature=0.0, max_tokens=41, ignore_eos=True)
+    outs = run(llm, spec_prompts("bamba")[:2], params)
+    st = llm.llm_engine.spec.stats
+    assert [len(o) for o in outs] == [41, 41] and st.num_drafts >= 2 * 40 // 5
+    assert abs(st.num_accepted_tokens / st.num_draft_tokens - 0.7) < 0.05
+    monkeypatch.setenv("MAMBASERVE_SPEC_FORCE_ACCEPT", "2")
+    with pytest.raises(ValueError, match="MAMBASERVE_SPEC_FORCE_ACCEPT"):
+        make("bamba", speculative_config=ngram(4))
+
+
+@pytest.mark.slow
+def test_spec_decode_benchmark_smoke(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from tests.models.tiny import checkpoint
+
+    spec = importlib.util.spec_from_file_location(
+        "spec_decode_bench", Path(__file__).resolve().parents[2] / "benchmarks" / "spec_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv("MAMBASERVE_COMMIT", "abc123")
+    out = tmp_path / "sd.json"
+    assert bench.main(["--smoke", "--models", checkpoint("bamba"), "--load-format", "auto", "--output", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["commit"] == "abc123" and rec["environment"]["gpu"] == "cpu"
+    acc = rec["acceptance"]
+    assert acc["outputs_equal"] and acc["num_drafts"] > 0 and acc["tokens_per_step_spec"] >= 1.0
+    assert [c["batch_size"] for c in rec["cost"]] == [1, 2]
+    for c in rec["cost"]:
+        assert abs(c["acceptance_rate"] - 0.7) < 0.1 and c["tokens_per_step_spec"] > 2.0
+        assert c["verify_step_ms"] > 0 and c["decode_step_ms"] > 0
