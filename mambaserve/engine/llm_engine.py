@@ -97,8 +97,7 @@ class LLMEngine:
         self.sampler = Sampler(eos + extra_eos or None)
         self.stats = EngineStats()
         self.spec = None if config.speculative_config is None else SpecDecoder(
-            config.speculative_config, self.sampler, self.structured_outputs.constrains, runner.max_model_len,
-            self.stats.spec_decode)
+            config, runner, self.sampler, self.structured_outputs.constrains, self.stats.spec_decode)
         self._counter = itertools.count()
         self._inflight: _Step | None = None  # a decode step launched ahead (async scheduling)
         self._stat_logger = None if config.disable_log_stats else StatLogger()

@@ -27,7 +27,7 @@ import os
 
 import numpy as np
 
-from mambaserve.config import SpeculativeConfig
+from mambaserve.config import EngineConfig
 from mambaserve.engine.rejection_sampler import verify_drafts
 from mambaserve.engine.sequence import Sequence, SequenceStatus
 from mambaserve.engine.stats import SpecDecodeStats
@@ -59,18 +59,25 @@ FORCE_ACCEPT_ENV = "MAMBASERVE_SPEC_FORCE_ACCEPT"
 
 
 class SpecDecoder:
-    """The engine's speculative decoding (module docstring). sampler: the engine's; constrains:
+    """The engine's speculative decoding (module docstring): n-gram drafts (`NgramProposer`) or a
+    draft model's (`draft_proposer.DraftModelProposer`), per config.speculative_config. runner:
+    the target's ModelRunner (its vocabulary and max_model_len); sampler: the engine's; constrains:
     the structured outputs' test for a grammar-constrained sequence; stats: the counters it
     adds to (the engine's `EngineStats.spec_decode`); accept_fraction: a benchmark tool only
     (`ForcedAcceptance`; default: $MAMBASERVE_SPEC_FORCE_ACCEPT, unset in normal use)."""
 
-    def __init__(self, config: SpeculativeConfig, sampler, constrains, max_model_len: int,
-                 stats: SpecDecodeStats | None = None, accept_fraction: float | None = None):
-        if config.method != "ngram":
-            raise ValueError(f"speculative_config: method {config.method!r} is not available here")
-        self.k = config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_max, config.prompt_lookup_min)
-        self.sampler, self.constrains, self.max_model_len = sampler, constrains, max_model_len
+    def __init__(self, config: EngineConfig, runner, sampler, constrains, stats: SpecDecodeStats | None = None,
+                 accept_fraction: float | None = None):
+        spec = config.speculative_config
+        self.k = spec.num_speculative_tokens
+        self.proposer = self.drafter = None
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
+        else:
+            from mambaserve.engine.draft_proposer import DraftModelProposer
+
+            self.drafter = DraftModelProposer(spec, config, runner.vocab_size, runner.max_model_len)
+        self.sampler, self.constrains, self.max_model_len = sampler, constrains, runner.max_model_len
         self.stats = stats if stats is not None else SpecDecodeStats()
         if accept_fraction is None and os.environ.get(FORCE_ACCEPT_ENV):
             accept_fraction = float(os.environ[FORCE_ACCEPT_ENV])
@@ -88,9 +95,19 @@ class SpecDecoder:
 
     def propose(self, running: list[Sequence]) -> None:
         """Set every running sequence's drafts for the next step."""
+        wanted = []
         for seq in running:
             k = self.max_drafts(seq)
-            seq.spec_token_ids = self._propose(seq, k) if k else []
+            seq.spec_token_ids = []
+            if k:
+                wanted.append((seq, k))
+        if self.drafter is not None and self.forced is None:
+            drafts = self.drafter.propose(wanted)
+            for seq, _ in wanted:
+                seq.spec_token_ids = drafts.get(id(seq), [])
+            return
+        for seq, k in wanted:
+            seq.spec_token_ids = self._propose(seq, k)
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         if self.forced is not None:

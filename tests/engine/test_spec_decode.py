@@ -345,3 +345,33 @@ def test_spec_decode_benchmark_smoke(tmp_path, monkeypatch):
     for c in rec["cost"]:
         assert abs(c["acceptance_rate"] - 0.7) < 0.1 and c["tokens_per_step_spec"] > 2.0
         assert c["verify_step_ms"] > 0 and c["decode_step_ms"] > 0
+
+
+@pytest.mark.parametrize("target,drafter", [("mamba2-untied", "mamba2-untied"), ("jamba", "granite-dense-rope")])
+def test_draft_model_greedy_equal(target, drafter):
+    """A draft model: the target itself (nearly every draft accepted) and a model of another
+    family with the same vocabulary (few); chunked prompts, preemptions, prefix caching on."""
+    from tests.models.tiny import checkpoint
+
+    prompts = spec_prompts(target)
+    refs = run(make(target, enable_prefix_caching=False), prompts, GREEDY)
+    spec = {"method": "draft_model", "model": checkpoint(drafter), "num_speculative_tokens": 3}
+    llm = make(target, speculative_config=spec, max_num_batched_tokens=16, block_size=4, mamba_block_size=8,
+               num_kv_blocks=24, max_model_len=64)
+    assert run(llm, prompts, GREEDY) == refs
+    assert run(llm, prompts, GREEDY) == refs
+    st = llm.llm_engine.spec.stats
+    assert st.num_drafts > 0
+    if target == drafter:
+        assert st.num_accepted_tokens > 0.9 * st.num_draft_tokens
+    drafter_pools = llm.llm_engine.spec.drafter
+    drafter_pools.propose([])  # nothing runs: every shadow is released
+    assert drafter_pools.slots.num_used == 0 and (drafter_pools.blocks is None or drafter_pools.blocks.num_used == 0)
+
+
+def test_draft_model_vocabulary_must_match():
+    from tests.models.tiny import checkpoint
+
+    spec = {"method": "draft_model", "model": checkpoint("bamba"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="vocabulary"):
+        make("jamba", speculative_config=spec)
