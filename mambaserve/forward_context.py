@@ -57,12 +57,41 @@ class VerifyStep:
 
 @dataclass
 class VerifyPlan:
-    """The trailing `num_seqs` sequences of a step that verify drafts, from token row
-    `first_row` on, as `steps[j]` per position j (host-built once per step)."""
+    """The trailing `num_seqs` sequences of a step that verify drafts: their `num_tokens` rows
+    from token row `first_row` on. For the fused ops (`ops.causal_conv1d_verify`,
+    `ops.ssd_state_verify`), as device tensors: query_start_loc (num_seqs + 1,) int32 over
+    their rows, slots (num_seqs,) int32, state_rows (num_seqs, max positions) int32 (-1
+    padding), token_seq (num_tokens,) int32. For a layer without them, `steps()`: position j
+    of every sequence that has one as a one-token decode step (`VerifyStep`), built on first use."""
 
     num_seqs: int
     first_row: int
-    steps: list[VerifyStep]
+    num_tokens: int
+    query_start_loc: torch.Tensor
+    slots: torch.Tensor
+    state_rows: torch.Tensor
+    token_seq: torch.Tensor
+    _host: tuple = field(repr=False, compare=False)  # (offsets, slots, state rows, device, mamba caches)
+    _steps: list[VerifyStep] | None = field(default=None, repr=False, compare=False)
+
+    def steps(self) -> list[VerifyStep]:
+        if self._steps is None:
+            offsets, slots, state_rows, device, caches = self._host
+            self._steps = []
+            for j in range(max(len(r) for r in state_rows)):
+                seqs = [i for i in range(self.num_seqs) if len(state_rows[i]) > j]
+                dst = [state_rows[i][j] for i in seqs]
+                ctx = ForwardContext.build(query_lens=[1] * len(seqs), seq_lens=[1] * len(seqs), state_indices=dst,
+                                           has_initial_state=[True] * len(seqs), block_tables=None, block_size=1,
+                                           device=device, mamba_caches=caches)
+                self._steps.append(VerifyStep(_to(self.first_row + np.asarray([offsets[i] + j for i in seqs]), device),
+                                              _to([slots[i] if j == 0 else state_rows[i][j - 1] for i in seqs], device),
+                                              ctx))
+        return self._steps
+
+
+def _to(values, device, dtype=torch.int64) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)
 
 
 @dataclass
@@ -296,20 +325,17 @@ class ForwardContext:
 
 def _verify_plan(state_rows: list[list[int]], offsets: list[int], query_lens: list[int], state_indices: list[int],
                  device, mamba_caches) -> VerifyPlan:
-    """The per-position steps of the trailing len(state_rows) sequences (`VerifyPlan`)."""
+    """The plan of the trailing len(state_rows) sequences (`VerifyPlan`)."""
     n, batch = len(state_rows), len(query_lens)
     first = batch - n
     if n > batch or any(len(r) != q for r, q in zip(state_rows, query_lens[first:])):
         raise ValueError("verify_state_rows needs one row per new token of each trailing verify sequence")
-    steps = []
-    for j in range(max(query_lens[first:])):
-        seqs = [i for i in range(n) if len(state_rows[i]) > j]
-        rows = [offsets[first + i] + j for i in seqs]
-        src = [state_indices[first + i] if j == 0 else state_rows[i][j - 1] for i in seqs]
-        dst = [state_rows[i][j] for i in seqs]
-        ctx = ForwardContext.build(query_lens=[1] * len(seqs), seq_lens=[1] * len(seqs), state_indices=dst,
-                                   has_initial_state=[True] * len(seqs), block_tables=None, block_size=1,
-                                   device=device, mamba_caches=mamba_caches)
-        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)  # noqa: E731
-        steps.append(VerifyStep(as_tensor(rows), as_tensor(src), ctx))
-    return VerifyPlan(n, offsets[first], steps)
+    local = [o - offsets[first] for o in offsets[first:]]
+    slots = list(state_indices[first:])
+    width = max(query_lens[first:])
+    table = [r + [-1] * (width - len(r)) for r in state_rows]
+    token_seq = [i for i, q in enumerate(query_lens[first:]) for _ in range(q)]
+    i32 = torch.int32
+    return VerifyPlan(n, offsets[first], local[-1], _to(local, device, i32), _to(slots, device, i32),
+                      _to(table, device, i32), _to(token_seq, device, i32),
+                      _host=(local, slots, state_rows, device, mamba_caches))

@@ -241,7 +241,7 @@ class Mamba2Mixer(nn.Module):
 
     def state_core(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """`ssm`, with speculative decoding's verify rows run position by position (`layers.verify`)."""
-        return run_state_op(self.ssm, zxbcdt, ctx, self.cache_index)
+        return run_state_op(self.ssm, zxbcdt, ctx, self.cache_index, self._verify_rows)
 
     def decay_rates(self) -> torch.Tensor:
         """A = -exp(A_log), float32 (nheads,): `cached_decay_rates`."""
@@ -287,6 +287,24 @@ class Mamba2Mixer(nn.Module):
         x, B, C = self._split_xbc(xBC)
         return ops.ssd_state_update(ssm_states, x, dt, self.decay_rates(), B, C, self.D, z, self.dt_bias,
                                     state_indices, dt_softplus=True, dt_limit=self.dt_limit, **norm_sq)
+
+    def _verify_rows(self, zxbcdt: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Speculative decoding's verify rows (`layers.verify`): the decode updates over each
+        sequence's positions in one launch per op, every position's state in its own row.
+        zxbcdt: (rows, I + conv_dim + H) of the verify sequences (ctx.verify) -> (rows, I)."""
+        T, I = zxbcdt.shape[0], self.intermediate_size
+        xBC, dt = zxbcdt[:, I : I + self.conv_dim], zxbcdt[:, I + self.conv_dim :]
+        z = zxbcdt[:, :I].view(T, self.num_heads, self.head_dim) if self.norm is None else None
+        conv_states, ssm_states = ctx.mamba_caches[self.cache_index]
+        plan = ctx.verify
+        weight = self.conv1d.weight.view(self.conv_dim, self.conv_kernel)
+        xBC = ops.causal_conv1d_verify(xBC, conv_states, weight, self.conv1d.bias, plan.query_start_loc, plan.slots,
+                                       plan.state_rows, plan.token_seq)
+        x, B, C = self._split_xbc(xBC)
+        y = ops.ssd_state_verify(ssm_states, x, dt, self.decay_rates(), B, C, self.D, z, self.dt_bias,
+                                 plan.query_start_loc, plan.slots, plan.state_rows, dt_softplus=True,
+                                 dt_limit=self.dt_limit)
+        return y.view(T, I)
 
     def _prefill_rows(self, xBC, dt, z, ctx: ForwardContext) -> torch.Tensor:
         """Variable-length sequences of ctx: varlen conv and the chunked scan, (rows, H, P)."""

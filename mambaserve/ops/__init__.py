@@ -29,6 +29,7 @@ from mambaserve.ops.moe import fused_moe, router_topk, topk_softmax
 from mambaserve.ops.ssd import ssd_chunk_scan
 from mambaserve.ops.state_update import ssd_state_update
 from mambaserve.ops.varlen import SsdChunks, TokenBlocks
+from mambaserve.ops.verify import causal_conv1d_verify, ssd_state_verify
 
 __all__ = [
     "backend",
@@ -43,6 +44,9 @@ __all__ = [
     "ssd_state_update",
     "selective_scan",
     "selective_scan_update",
+    # speculative decoding's verify rows: the decode updates over k + 1 positions, a state per position
+    "causal_conv1d_verify",
+    "ssd_state_verify",
     # attention over the paged KV cache
     "reshape_and_cache",
     "paged_attention",
