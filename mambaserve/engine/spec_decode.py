@@ -35,8 +35,10 @@ from mambaserve.engine.stats import SpecDecodeStats
 
 class NgramProposer:
     """Prompt lookup: for n from prompt_lookup_max down to prompt_lookup_min, the last n tokens
-    of the sequence are looked up among its earlier tokens; the latest earlier match proposes
-    the (up to k) tokens that followed it. Plain numpy over the host's token list."""
+    of the sequence are looked up among its earlier tokens; the latest earlier match followed by
+    k tokens proposes them (none such: the earliest match, the longest continuation there is).
+    A repeating pattern thus drafts whole periods, not the stub after its last repeat. Plain
+    numpy over the host's token list."""
 
     def __init__(self, prompt_lookup_max: int, prompt_lookup_min: int):
         self.n_max, self.n_min = prompt_lookup_max, prompt_lookup_min
@@ -50,7 +52,8 @@ class NgramProposer:
             windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
             hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
             if len(hits):
-                start = int(hits[-1]) + n
+                full = hits[hits + n + k <= total]  # matches followed by k tokens
+                start = int(full[-1] if len(full) else hits[0]) + n
                 return tokens[start : start + k].tolist()
         return []
 

@@ -103,8 +103,11 @@ def test_ngram_proposer():
 
     p = NgramProposer(3, 1)
     assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # the latest match of the 3-gram
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 4) == [7, 1, 2, 3]
+    assert p.propose([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 5) == [9, 1, 2, 3, 7]  # the latest followed by 5 drafts
     assert p.propose([1, 2, 3, 4, 5], 3) == []  # no n-gram recurs
     assert p.propose([5, 6, 5], 4) == [6, 5]  # 1-gram, cut at the end
+    assert p.propose([7, 7, 7, 7, 7, 7], 3) == [7, 7, 7]  # a run: a whole continuation, not the stub at its end
     assert NgramProposer(3, 2).propose([5, 6, 7, 5], 4) == []  # too short a match
     assert p.propose([4], 2) == []
 
