@@ -91,7 +91,7 @@ class VerifyPlan:
 
 
 def _to(values, device, dtype=torch.int64) -> torch.Tensor:
-    return torch.as_tensor(np.asarray(values), dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.as_tensor(np.asarray(values), dtype=dtype), device)
 
 
 @dataclass
@@ -335,7 +335,8 @@ def _verify_plan(state_rows: list[list[int]], offsets: list[int], query_lens: li
     width = max(query_lens[first:])
     table = [r + [-1] * (width - len(r)) for r in state_rows]
     token_seq = [i for i, q in enumerate(query_lens[first:]) for _ in range(q)]
-    i32 = torch.int32
-    return VerifyPlan(n, offsets[first], local[-1], _to(local, device, i32), _to(slots, device, i32),
-                      _to(table, device, i32), _to(token_seq, device, i32),
+    # one host buffer, one copy (pinned: `ops.common.to_device`)
+    flat = _to(np.concatenate([local, slots, np.asarray(table).reshape(-1), token_seq]), device, torch.int32)
+    a, b, c = n + 1, 2 * n + 1, 2 * n + 1 + n * width
+    return VerifyPlan(n, offsets[first], local[-1], flat[:a], flat[a:b], flat[b:c].view(n, width), flat[c:],
                       _host=(local, slots, state_rows, device, mamba_caches))
