@@ -110,13 +110,15 @@ class EngineStats:
         for s in live:
             seq = s.seq
             if seq.num_preemptions == 0:  # a recompute after preemption is not counted again
-                before = seq.num_computed_tokens - s.num_new_tokens
+                # a verify step's drafts are generated tokens, counted as accepted (one here)
+                before = seq.num_computed_tokens - (1 if s.spec_token_ids else s.num_new_tokens)
                 self.prompt_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before)
 
     def record_step(self, path: str, scheduled, fed_tokens: int, seconds: float) -> None:
         """Add a step to its kind's entry. path: how its forward ran; scheduled: its batch,
         after processing (a decode's computed tokens now pass its prompt; a prefill's may too)."""
-        decodes = sum(1 for s in scheduled if s.seq.num_computed_tokens - s.num_new_tokens >= s.seq.num_prompt_tokens)
+        decodes = sum(1 for s in scheduled if s.spec_token_ids  # verify steps are decodes
+                      or s.seq.num_computed_tokens - s.num_new_tokens >= s.seq.num_prompt_tokens)
         kind = "decode" if decodes == len(scheduled) else "prefill" if decodes == 0 else "mixed"
         entry = self.step_breakdown.setdefault(f"{path}/{kind}", StepKindStats())
         entry.steps += 1

@@ -12,10 +12,26 @@ from mambaserve import SamplingParams
 from mambaserve.engine.rejection_sampler import verify_drafts
 from mambaserve.engine.sampler import Sampler
 from mambaserve.engine.sequence import Sequence
-from tests.engine.engines import EVERY_FAMILY, make, run
+from tests.engine import engines
+from tests.engine.engines import EVERY_FAMILY, run
 from tests.models.tiny import hf_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def make(name, **kw):
+    """engines.make with a small cache budget: this file builds many engines."""
+    kw.setdefault("cpu_cache_bytes", 1 << 26)
+    return engines.make(name, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _collect():
+    """Free each test's engines at once (a wrapped runner method is a reference cycle)."""
+    yield
+    import gc
+
+    gc.collect()
 
 
 def ngram(k, lo=1, hi=3):
@@ -378,3 +394,17 @@ def test_draft_model_vocabulary_must_match():
     spec = {"method": "draft_model", "model": checkpoint("bamba"), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match="vocabulary"):
         make("jamba", speculative_config=spec)
+
+
+def test_prompt_tokens_and_step_kinds_not_skewed_by_drafts():
+    name = "bamba"
+    prompts = spec_prompts(name)
+    refs = run(make(name), prompts, GREEDY)
+    llm = make(name, speculative_config=ngram(3), enable_prefix_caching=False)
+    oracle(llm, prompts, refs, corrupt_every=1)  # a rejection every step: accepted < drafted
+    assert run(llm, prompts, GREEDY) == refs
+    usage = llm.llm_engine.usage()
+    assert usage.prompt_tokens == sum(map(len, prompts))
+    assert usage.generation_tokens == sum(map(len, refs))
+    kinds = {k.split("/")[1] for k in usage.step_breakdown}
+    assert "decode" in kinds
