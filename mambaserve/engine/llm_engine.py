@@ -92,8 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             max_num_seqs=runner.max_num_seqs, max_num_batched_tokens=runner.max_num_batched_tokens,
             slot_pool=self.slot_pool, block_pool=self.block_pool, enable_chunked_prefill=config.enable_chunked_prefill,
-            prefix_cache=pools.prefix_cache, min_inner_save_offset=runner.spec.min_inner_save_offset,
-            max_num_verify_seqs=runner.max_num_verify_seqs)
+            prefix_cache=pools.prefix_cache, min_inner_save_offset=runner.spec.min_inner_save_offset)
         self.sampler = Sampler(eos + extra_eos or None)
         self.stats = EngineStats()
         self.spec = None if config.speculative_config is None else SpecDecoder(
@@ -198,9 +197,7 @@ class LLMEngine:
     def _schedule_and_run(self) -> _Step | None:
         """Schedule a batch, run the forward over it and launch its sampling; None when there
         is nothing to run."""
-        if self.spec is not None:
-            self.spec.propose(self.scheduler.running)  # each decode's drafts (speculative decoding)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule() if self.spec is None else self.spec.schedule(self.scheduler)  # + drafts
         self.stats.preemptions += len(sched.preempted)
         if sched.is_empty:
             return None

@@ -24,12 +24,6 @@ Policy of `schedule()`, one step at a time, under a budget of `max_num_batched_t
    with chunked prefill; without it, the whole prefill or nothing (a prefill that does not fit
    the budget left waits, and so does everyone behind it). Admission never preempts.
 
-Speculative decoding: a decode whose sequence carries drafts (`seq.spec_token_ids`, set by the
-engine) gets 1 + k tokens, k = its drafts cut to the budget left minus one, while fewer than
-`max_num_verify_seqs` sequences verify in the step, its blocks for all of them can be had
-without preempting anyone and no checkpoint position is pending; else it is a plain decode.
-Its ScheduledSequence lists the k drafts it verifies.
-
 The batch lists decodes first, then chunks of running prefills, then the new admissions. A
 sequence is never scheduled twice in one step. Every running sequence holds a state slot;
 waiting ones hold neither a slot nor blocks.
@@ -78,7 +72,7 @@ class ScheduledSequence:
     save_checkpoint: int | None = None  # state row seq.state_slot is copied into after the forward
     # (offset, state row): checkpoints the forward writes inside the chunk, after `offset` of its tokens
     inner_saves: tuple[tuple[int, int], ...] = ()
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified after the sequence's last token
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts it verifies (`spec_decode.SpecDecoder.schedule`)
 
 
 @dataclass
@@ -116,7 +110,6 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         prefix_cache: PrefixCache | None = None,
         min_inner_save_offset: int | None = None,
-        max_num_verify_seqs: int = 0,
     ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
@@ -135,7 +128,6 @@ class Scheduler:
         # the model's layers write checkpoints inside a chunk at least this far into it
         # (`CacheSpec.min_inner_save_offset`); None: chunks end at checkpoints
         self.min_inner_save_offset = min_inner_save_offset
-        self.max_num_verify_seqs = max_num_verify_seqs
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
@@ -205,7 +197,6 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         scheduled_ids: set[int] = set()  # id() of sequences scheduled in this step
         preempted: list[Sequence] = []
-        num_verify = 0
         if self.prefix_cache is not None:
             self.prefix_cache.checkpoints.commit()  # the previous step, which saved them, is launched
             for seq in self.running:
@@ -222,13 +213,6 @@ class Scheduler:
                 if (remaining == 1) != decodes:
                     continue
                 num_new = self._to_checkpoint(seq, min(remaining, budget))
-                drafts = self._drafts(seq, budget) if decodes and num_verify < self.max_num_verify_seqs else []
-                if drafts:
-                    scheduled.append(ScheduledSequence(seq, 1 + len(drafts), spec_token_ids=drafts))
-                    scheduled_ids.add(id(seq))
-                    budget -= 1 + len(drafts)
-                    num_verify += 1
-                    continue
                 while not self._grow_blocks(seq, seq.num_computed_tokens + num_new):
                     victim = next(s for s in reversed(self.running) if id(s) not in scheduled_ids)
                     self._preempt(victim)
@@ -264,13 +248,6 @@ class Scheduler:
             budget -= num_new
 
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
-
-    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The drafts a decode verifies in this step (its blocks for them taken), or []."""
-        drafts = seq.spec_token_ids[: budget - 1]
-        if not drafts or seq.checkpoint_positions:
-            return []
-        return drafts if self._grow_blocks(seq, seq.num_tokens + len(drafts)) else []
 
     # -- resources ---------------------------------------------------------------------------
 

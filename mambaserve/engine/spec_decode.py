@@ -1,9 +1,11 @@
 """Speculative decoding in the engine loop: proposing drafts before a step, verifying them
 after it, and carrying each verifying sequence's accepted state into its slot.
 
-Per step (`LLMEngine`): `propose` gives every running decode its drafts (`seq.spec_token_ids`,
-at most k, cut so that the 1 + k tokens it may emit stay within max_tokens and max_model_len);
-the scheduler gives a decode with drafts 1 + k tokens; the runner's forward writes the state
+Per step (`LLMEngine`, through `schedule`): `propose` gives every running decode its drafts
+(`seq.spec_token_ids`, at most k, cut so that the 1 + k tokens it may emit stay within
+max_tokens and max_model_len); the scheduler schedules as without them; `extend` then gives
+the scheduled decodes with drafts 1 + k tokens (so plain decodes and prefill chunks come
+first, and the drafts get the budget they leave); the runner's forward writes the state
 after each of them into scratch state rows (`layers.verify`) and returns k + 1 rows of logits;
 `verify` runs the rejection sampler (`engine.rejection_sampler`), returns the emitted tokens
 (the accepted drafts and one more) as new-token entries for the output processor, which
@@ -29,6 +31,7 @@ import numpy as np
 
 from mambaserve.config import EngineConfig
 from mambaserve.engine.rejection_sampler import verify_drafts
+from mambaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mambaserve.engine.sequence import Sequence, SequenceStatus
 from mambaserve.engine.stats import SpecDecodeStats
 
@@ -81,6 +84,7 @@ class SpecDecoder:
 
             self.drafter = DraftModelProposer(spec, config, runner.vocab_size, runner.max_model_len)
         self.sampler, self.constrains, self.max_model_len = sampler, constrains, runner.max_model_len
+        self.max_num_verify_seqs = runner.max_num_verify_seqs
         self.stats = stats if stats is not None else SpecDecodeStats()
         if accept_fraction is None and os.environ.get(FORCE_ACCEPT_ENV):
             accept_fraction = float(os.environ[FORCE_ACCEPT_ENV])
@@ -95,6 +99,35 @@ class SpecDecoder:
             return 0
         return max(0, min(self.k, (p.max_tokens or self.max_model_len) - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens - 1))
+
+    def schedule(self, scheduler: Scheduler) -> SchedulerOutput:
+        """The step's batch: drafts proposed, the scheduler's batch, the drafts added to it."""
+        self.propose(scheduler.running)
+        sched = scheduler.schedule()
+        self.extend(sched, scheduler)
+        return sched
+
+    def extend(self, sched: SchedulerOutput, scheduler: Scheduler) -> None:
+        """Give the scheduled decodes with drafts their 1 + k tokens: k cut to the step budget the
+        scheduler left, at most `max_num_verify_seqs` of them, each only if its KV blocks for
+        them can be had (`Scheduler.reserve_tokens`, which never preempts); the others stay
+        plain decodes. A decode with a checkpoint to save gets none."""
+        left = scheduler.max_num_batched_tokens - sched.num_batched_tokens
+        num_verify = 0
+        for s in sched.scheduled:
+            seq = s.seq
+            drafts = seq.spec_token_ids[:left]
+            if (not drafts or num_verify == self.max_num_verify_seqs or s.num_new_tokens != 1
+                    or seq.num_computed_tokens == 0 or seq.num_computed_tokens + 1 != seq.num_tokens
+                    or s.load_checkpoint is not None or s.save_checkpoint is not None or s.inner_saves):
+                continue
+            if not scheduler.reserve_tokens(seq, seq.num_tokens + len(drafts)):
+                continue
+            s.num_new_tokens += len(drafts)
+            s.spec_token_ids = list(drafts)
+            left -= len(drafts)
+            num_verify += 1
+        sched.num_batched_tokens = scheduler.max_num_batched_tokens - left
 
     def propose(self, running: list[Sequence]) -> None:
         """Set every running sequence's drafts for the next step."""

@@ -398,4 +398,3 @@ def topk_softmax(logits, top_k, out_dtype, num_shared=0, renormalize=True):
         ids = torch.cat([ids, extra], dim=1)
         weights = torch.cat([weights, torch.ones(T, num_shared, dtype=out_dtype, device=weights.device)], dim=1)
     return weights, ids
-
