@@ -22,10 +22,14 @@ import torch
 
 from mambaserve.ops import reference_verify as reference
 from mambaserve.ops.common import check, dt_limit_args, next_power_of_2, process_dt
-from mambaserve.ops.conv1d import UPDATE_CONFIG, _check_conv
+from mambaserve.ops.conv1d import _check_conv
 from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.ssd import check_ssd_operands
 from mambaserve.ops.state_update import STATE_UPDATE_CONFIG
+
+# Fixed launch config of the conv verify kernel (the one-token update's former one; never
+# autotuned: it writes state rows in place)
+CONV_VERIFY_CONFIG = {"block_d": 256, "num_warps": 4}
 
 
 @triton.jit
@@ -155,14 +159,14 @@ def causal_conv1d_verify(x: torch.Tensor, conv_states: torch.Tensor, weight: tor
     out = torch.empty_like(x)
     if batch == 0 or x.shape[0] == 0 or dim == 0:
         return out
-    block_d = UPDATE_CONFIG["block_d"]
+    block_d = CONV_VERIFY_CONFIG["block_d"]
     _conv1d_verify_kernel[(x.shape[0], triton.cdiv(dim, block_d))](
         x, weight, bias if bias is not None else weight, conv_states, out, query_start_loc, token_seq, slots,
         state_rows, dim,
         x.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0), conv_states.stride(1), out.stride(0),
         state_rows.stride(0),
         WIDTH=width, HAS_BIAS=bias is not None, SILU=activation in ("silu", "swish"), BLOCK_D=block_d,
-        num_warps=UPDATE_CONFIG["num_warps"],
+        num_warps=CONV_VERIFY_CONFIG["num_warps"],
     )
     return out
 
