@@ -9,6 +9,8 @@ from mambaserve.ops import reference as ref
 from tests.conftest import rel_err, tolerance
 from tests.ops.kernel_helpers import DEVICES, gpu_only, packed, random_slots
 
+DEV = DEVICES[0]  # the config sweeps: the interpreter on the CPU, the real kernels on a GPU
+
 
 def _run_both(x, w, b, states, qsl, idx, has, activation, blocks=None):
     """(ours, our states, reference, reference states) from the same inputs."""
@@ -143,7 +145,7 @@ AWKWARD_HAS = [True, True, True, False, True, False, True, False, True, True]
 @pytest.mark.parametrize("width", [2, 3, 4])
 def test_causal_conv1d_configs_fast(poison_empty, cfg, width):
     """One roll and one tile config at each width (the fast loop); all of them: the slow test."""
-    args = _varlen_case([1, 2, 0, 40, 3], [True, False, True, True, True], width, 48, torch.float32, "cpu",
+    args = _varlen_case([1, 2, 0, 40, 3], [True, False, True, True, True], width, 48, torch.float32, DEV,
                         padding=[4])
     _check_varlen_f64(args, cfg)
 
@@ -153,12 +155,12 @@ def test_causal_conv1d_configs_fast(poison_empty, cfg, width):
 def test_causal_conv1d_every_config(poison_empty, cfg):
     """Every candidate config at widths 2-4, awkward lengths, padded slots, with and without
     bias and activation, against float64 (dim not a multiple of any feature block)."""
-    args = _varlen_case(AWKWARD_LENS, AWKWARD_HAS, 4, 300, torch.float32, "cpu", padding=[1, 6])
+    args = _varlen_case(AWKWARD_LENS, AWKWARD_HAS, 4, 300, torch.float32, DEV, padding=[1, 6])
     _check_varlen_f64(args, cfg)
-    args = _varlen_case([2, 0, 70, 1], [True, True, False, True], 3, 40, torch.bfloat16, "cpu", padding=[1],
+    args = _varlen_case([2, 0, 70, 1], [True, True, False, True], 3, 40, torch.bfloat16, DEV, padding=[1],
                         with_bias=False)
     _check_varlen_f64(args, cfg, None)
-    args = _varlen_case([1, 3, 33], [True, True, True], 2, 40, torch.float32, "cpu", padding=[0])
+    args = _varlen_case([1, 3, 33], [True, True, True], 2, 40, torch.float32, DEV, padding=[0])
     _check_varlen_f64(args, cfg)
 
 
@@ -167,7 +169,7 @@ def test_causal_conv1d_many_sequences(poison_empty):
     """60 sequences of lengths 0-9 (most shorter than a block, many than the conv width)."""
     lens = [int(v) for v in torch.randint(0, 10, (60,))]
     has = [bool(v) for v in torch.randint(0, 2, (60,))]
-    args = _varlen_case(lens, has, 4, 40, torch.float32, "cpu", padding=[0, 31, 59])
+    args = _varlen_case(lens, has, 4, 40, torch.float32, DEV, padding=[0, 31, 59])
     _check_varlen_f64(args, {"kernel": "roll", "block_t": 16, "block_d": 32, "num_warps": 1, "group": 8})
 
 
@@ -176,18 +178,18 @@ def test_causal_conv1d_other_widths_take_the_tile_kernel(poison_empty, width):
     """Widths outside 2-4 are not the roll kernel's: the config falls back to the tile kernel."""
     cfg = conv1d.varlen_config(conv1d.DEFAULT_TABLE, 100, 48, width)
     assert cfg["kernel"] == ("tile" if width > conv1d.MAX_ROLL_WIDTH else "roll")
-    args = _varlen_case([1, 7, 20], [True, True, False], width, 48, torch.float32, "cpu", padding=[1])
+    args = _varlen_case([1, 7, 20], [True, True, False], width, 48, torch.float32, DEV, padding=[1])
     _check_varlen_f64(args, conv1d.varlen_config(conv1d.DEFAULT_TABLE, 28, 48, width) | {"block_t": 8})
 
 
 def _check_update_f64(batch, width, dim, dtype, cfg, padding, w_contiguous=True):
     num_slots = batch + 4
-    idx = random_slots(batch, num_slots, padding=padding, device="cpu")
-    x = torch.randn(batch, dim + 9).to(dtype)[:, 3:3 + dim]
-    w = torch.randn(dim, width) if w_contiguous else torch.randn(width, dim).t()  # (dim, width) either way
-    w = (w / width**0.5).to(dtype)
-    b = torch.randn(dim).to(dtype)
-    states = torch.randn(num_slots, width - 1, dim).to(dtype)
+    idx = random_slots(batch, num_slots, padding=padding, device=DEV)
+    x = torch.randn(batch, dim + 9, device=DEV).to(dtype)[:, 3:3 + dim]
+    w = torch.randn(dim, width, device=DEV) if w_contiguous else torch.randn(width, dim, device=DEV).t()
+    w = (w / width**0.5).to(dtype)  # (dim, width) either way
+    b = torch.randn(dim, device=DEV).to(dtype)
+    states = torch.randn(num_slots, width - 1, dim, device=DEV).to(dtype)
     ours, expected_states = states.clone(), states.double()
     with ops.backend("triton"), conv1d.config_override(update=cfg):
         out = ops.causal_conv1d_update(x, ours, w, b, idx)

@@ -67,4 +67,7 @@ def test_fused_router_reads_strided_rows():
         fused = ops.router_topk(x, w, 2, torch.float32)
         with ops.unfused():
             split = ops.router_topk(x.contiguous(), w, 2, torch.float32)
-    assert torch.equal(fused[1], split[1]) and torch.equal(fused[0], split[0])
+    assert torch.equal(fused[1], split[1])
+    # on a GPU the split path's product over the contiguous copy sums in another order: rounding only
+    tol = dict(rtol=1e-5, atol=1e-6) if x.is_cuda else dict(rtol=0, atol=0)
+    assert torch.allclose(fused[0], split[0], **tol), (fused[0] - split[0]).abs().max()
