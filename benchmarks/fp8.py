@@ -54,10 +54,11 @@ def engine(model: str, args, **kw) -> LLM:
                gpu_memory_utilization=args.gpu_memory_utilization, **kw)
 
 
-def free(llm) -> None:
+def free() -> None:
+    """Give an engine's GPU memory back once the caller has dropped its last reference (the
+    next engine sizes itself from what is free: a live one made the H200 run run out of memory)."""
     import torch
 
-    del llm
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -88,7 +89,8 @@ def run_weights(model: str, quantization: str | None, args) -> dict:
     t = measure_throughput(llm, reqs, use_tqdm=False, num_warmup_prompts=min(8, args.num_prompts))
     rec["throughput"] = {k: t[k] for k in t if k != "step_breakdown"}
     print(f"[{model} {quantization or 'bf16'} throughput] {t.get('tokens_per_second', t)}", flush=True)
-    free(llm)
+    del llm
+    free()
     return rec
 
 
@@ -106,7 +108,8 @@ def kv_fit(model: str, args) -> dict:
                    "requests_by_kv_blocks": by_kv,
                    "requests_32k_fit": min(by_kv, sizes.num_slots - 1) if by_kv is not None else sizes.num_slots - 1}
         print(f"[{model} kv {kv}] {out[kv]}", flush=True)
-        free(llm)
+        del llm
+        free()
     a, f = out["auto"]["requests_32k_fit"], out["fp8"]["requests_32k_fit"]
     out["ratio_fp8_over_auto"] = f / a if a else None
     return out
