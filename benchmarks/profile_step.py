@@ -252,7 +252,8 @@ def profile_mode(model: str, mode: str, args, hw: dict | None = None) -> dict:
     if mode.endswith("-unfused"):
         with ops.unfused():
             return _profile_mode(model, mode.removesuffix("-unfused"), args, hw, mode)
-    return _profile_mode(model, mode, args, hw, mode)
+    with ops.fused():  # the fusions are opt-in in the engine (ops.dispatch.DECODE_FUSIONS)
+        return _profile_mode(model, mode, args, hw, mode)
 
 
 def _profile_mode(model: str, mode: str, args, hw: dict | None, label: str) -> dict:

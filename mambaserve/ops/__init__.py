@@ -20,7 +20,7 @@ from mambaserve.ops import reference
 from mambaserve.ops.activation import silu_and_mul
 from mambaserve.ops.attention import AttentionPlan, paged_attention, plan_paged_attention, reshape_and_cache
 from mambaserve.ops.conv1d import causal_conv1d, causal_conv1d_update
-from mambaserve.ops.dispatch import backend, current_backend, fusions_enabled, unfused
+from mambaserve.ops.dispatch import backend, current_backend, fused, fusions_enabled, unfused
 from mambaserve.ops.fp8 import dequantize_fp8, fp8_linear, quantize_fp8
 from mambaserve.ops.gemv import gated_norm_linear_partials, gemv_max_tokens, linear_partials
 from mambaserve.ops.layernorm_gated import fused_add_rms_norm, rms_norm_gated
@@ -35,6 +35,7 @@ __all__ = [
     "backend",
     "current_backend",
     "unfused",
+    "fused",
     "fusions_enabled",
     "reference",
     # Mamba2 (SSD) and Mamba-1 (selective scan), the short conv of both

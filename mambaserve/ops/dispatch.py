@@ -4,9 +4,10 @@ On CUDA tensors an op runs its Triton kernel; everywhere else the reference of
 `mambaserve.ops.reference`. `backend("reference" | "triton" | "auto")` forces one inside a
 `with` block, in the calling thread (tests run "triton" on CPU tensors under TRITON_INTERPRET=1).
 
-`unfused()` turns the decode-step fusions off inside a `with` block, in the calling thread (the
-router's logits and top-k in one launch, the Mamba2 gated norm folded into out_proj): the
-reference that the fused paths are measured and tested against (same math, more launches).
+The decode-step fusions (the router's logits and top-k in one launch, the Mamba2 gated norm
+folded into out_proj) are off by default until measured (MAMBASERVE_DECODE_FUSIONS=1 turns
+them on); `fused()` / `unfused()` turn them on / off inside a `with` block, in the calling
+thread: the unfused paths are the reference the fused ones are tested against.
 
 Also `triton` and `tl` for the kernel files: the real modules where Triton is installed (it is
 a Linux-only dependency), else stand-ins under which the kernel files still import and the
@@ -16,6 +17,7 @@ reference backend runs alone (launching a kernel then raises RuntimeError).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 
@@ -71,10 +73,27 @@ def backend(name: str) -> Iterator[None]:
         _local.backend = previous
 
 
+# The decode-step fusions are opt-in (MAMBASERVE_DECODE_FUSIONS=1, or `fused()`) until they are
+# measured on a GPU: their first H200 run was correct, but timed nothing at batch sizes 2-16.
+DECODE_FUSIONS = os.environ.get("MAMBASERVE_DECODE_FUSIONS", "0") == "1"
+
+
 def fusions_enabled() -> bool:
     """Whether ops (and the layers that ask) take their fused decode paths in this thread:
-    True unless inside `unfused()`."""
-    return not getattr(_local, "unfused", False)
+    inside `fused()` yes, inside `unfused()` no, else DECODE_FUSIONS (off unless
+    MAMBASERVE_DECODE_FUSIONS=1)."""
+    return getattr(_local, "fusions", DECODE_FUSIONS)
+
+
+@contextlib.contextmanager
+def fused() -> Iterator[None]:
+    """Inside the block, the fused decode paths are on in this thread (tests, the profiler)."""
+    previous = getattr(_local, "fusions", DECODE_FUSIONS)
+    _local.fusions = True
+    try:
+        yield
+    finally:
+        _local.fusions = previous
 
 
 @contextlib.contextmanager
@@ -82,12 +101,12 @@ def unfused() -> Iterator[None]:
     """Inside the block, the fused decode paths are off in this thread: each op and layer takes
     its unfused kernels (the same results up to float32 summation order). Graphs captured
     inside the block keep the unfused launches."""
-    previous = getattr(_local, "unfused", False)
-    _local.unfused = True
+    previous = getattr(_local, "fusions", DECODE_FUSIONS)
+    _local.fusions = False
     try:
         yield
     finally:
-        _local.unfused = previous
+        _local.fusions = previous
 
 
 def use_triton(t: torch.Tensor) -> bool:

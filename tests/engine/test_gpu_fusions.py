@@ -14,6 +14,15 @@ from tests.models.tiny import checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+
+@pytest.fixture(autouse=True)
+def _fusions_on():
+    """The fused decode paths are opt-in in the engine (ops.dispatch.DECODE_FUSIONS): on for
+    every test here, each comparing them with `ops.unfused()`."""
+    with ops.fused():
+        yield
+
+
 # (name, MoE routers, Mamba2 mixers with a gated norm) of the tiny checkpoints
 NAMES = [("granite-moe", 4, 2), ("granite-moe-absorbed", 3, 2), ("bamba", 0, 2), ("mamba2", 0, 2)]
 
