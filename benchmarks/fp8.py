@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from mambaserve import LLM  # noqa: E402
 from mambaserve.benchmarks.common import environment_info, write_json  # noqa: E402
+from mambaserve.benchmarks.common import git_commit as _git_commit  # noqa: E402
 from mambaserve.benchmarks.datasets import BenchRequest, random_token_ids  # noqa: E402
 from mambaserve.benchmarks.latency import measure_latency  # noqa: E402
 from mambaserve.benchmarks.throughput import measure_throughput  # noqa: E402
@@ -38,13 +38,7 @@ LONG = 32768
 
 
 def commit() -> str | None:
-    if os.environ.get("MAMBASERVE_COMMIT"):
-        return os.environ["MAMBASERVE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    return _git_commit(ROOT)
 
 
 def engine(model: str, args, **kw) -> LLM:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections import deque
@@ -41,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the GPU machine runs from a checkout, mambaserve not installed
 
 from mambaserve.benchmarks.common import environment_info, write_json  # noqa: E402
+from mambaserve.benchmarks.common import git_commit as _git_commit  # noqa: E402
 from mambaserve.benchmarks.datasets import (  # noqa: E402
     Conversation,
     multi_turn_conversations,
@@ -63,14 +63,7 @@ SIZES = [
 
 
 def git_commit() -> str | None:
-    """$MAMBASERVE_COMMIT (a checkout copied without .git), else the checkout's HEAD."""
-    if os.environ.get("MAMBASERVE_COMMIT"):
-        return os.environ["MAMBASERVE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    return _git_commit(REPO)
 
 
 # ------------------------------------------------------------------ the closed-loop driver

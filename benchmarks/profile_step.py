@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -45,6 +44,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import floor  # noqa: E402
+
+from mambaserve.benchmarks.common import git_commit as _git_commit  # noqa: E402
 
 
 def _kernels(prof) -> dict[str, list[float]]:
@@ -104,14 +105,7 @@ def _summary(kern: dict, steps: int, wall: float) -> dict:
 
 
 def git_commit() -> str | None:
-    """$MAMBASERVE_COMMIT (a checkout copied without .git, as on the GPU machine), else git's HEAD."""
-    if os.environ.get("MAMBASERVE_COMMIT"):
-        return os.environ["MAMBASERVE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    return _git_commit(REPO)
 
 
 def measure_hardware(copy_bytes: int = 1 << 30, n: int = 8192, repeats: int = 10) -> dict:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the GPU machine runs from a checkout, mambaserve not installed
 
 from mambaserve.benchmarks.common import environment_info, write_json  # noqa: E402
+from mambaserve.benchmarks.common import git_commit as _git_commit  # noqa: E402
 
 MODELS = ["granite-4.0-tiny-preview", "bamba-9b"]
 TARGET_SPEEDUP = 2.0  # batch-1 decode, 70% of 4 drafts accepted
@@ -54,14 +54,7 @@ CODE_PROMPTS = [
 
 
 def git_commit() -> str | None:
-    """$MAMBASERVE_COMMIT (a checkout copied without .git), else the checkout's HEAD."""
-    if os.environ.get("MAMBASERVE_COMMIT"):
-        return os.environ["MAMBASERVE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, text=True, capture_output=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    return _git_commit(REPO)
 
 
 def ngram(k: int) -> dict:

@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import os
 import statistics
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mambaserve.benchmarks.common import environment_info, has_tokenizer, write_json  # noqa: E402
+from mambaserve.benchmarks.common import git_commit as _git_commit  # noqa: E402
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args  # noqa: E402
 
 TARGET_COST = 0.10
@@ -78,14 +78,7 @@ def build_tokenizer(vocab_size: int, corpus_dir: str, out_dir: str, max_bytes: i
 
 
 def commit() -> str | None:
-    """The measured commit: env MAMBASERVE_COMMIT (a copy without .git, as on the GPU machine), else git's HEAD."""
-    if os.environ.get("MAMBASERVE_COMMIT"):
-        return os.environ["MAMBASERVE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
-                              capture_output=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    return _git_commit(Path(__file__).resolve().parent)
 
 
 def run_batch(llm, prompts, params) -> dict:

@@ -83,3 +83,13 @@ def assert_greedy_close(a: list[tuple[list[int], list[dict[int, float]]]],
                 break
         first.append(diverged)
     return first
+
+
+@pytest.fixture
+def fusions_on():
+    """The decode-step fusions on for a test (they are opt-in in the engine:
+    ops.dispatch.DECODE_FUSIONS); the fused-vs-unfused tests compare them with `ops.unfused()`."""
+    from mambaserve import ops
+
+    with ops.fused():
+        yield

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
@@ -44,6 +45,18 @@ def environment_info(engine: str = "mambaserve", device: str | None = None) -> d
     if engine == "transformers":
         info["engine_version"] = info["transformers_version"]
     return info
+
+
+def git_commit(repo: str | os.PathLike) -> str | None:
+    """The measured commit, for a result's JSON: $MAMBASERVE_COMMIT (a checkout copied without
+    .git, as on the GPU machine), else `git rev-parse HEAD` in repo; None when neither answers."""
+    if os.environ.get("MAMBASERVE_COMMIT"):
+        return os.environ["MAMBASERVE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, text=True, capture_output=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _version_of(module: str) -> str | None:

@@ -12,15 +12,9 @@ from tests.conftest import assert_greedy_close
 from tests.engine.engines import SHARE, gen_with_logprobs, prompts_for
 from tests.models.tiny import checkpoint
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("fusions_on")]  # the fused paths are opt-in in the engine
 
-
-@pytest.fixture(autouse=True)
-def _fusions_on():
-    """The fused decode paths are opt-in in the engine (ops.dispatch.DECODE_FUSIONS): on for
-    every test here, each comparing them with `ops.unfused()`."""
-    with ops.fused():
-        yield
 
 
 # (name, MoE routers, Mamba2 mixers with a gated norm) of the tiny checkpoints

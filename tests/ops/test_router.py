@@ -12,13 +12,8 @@ from mambaserve.ops import moe as moe_mod
 from tests.conftest import rel_err, tolerance
 from tests.ops.kernel_helpers import DEVICES
 
+pytestmark = pytest.mark.usefixtures("fusions_on")  # the fused decode paths are opt-in in the engine
 
-@pytest.fixture(autouse=True)
-def _fusions_on():
-    """The fused decode paths are opt-in in the engine (ops.dispatch.DECODE_FUSIONS): on for
-    every test here, each comparing them with `ops.unfused()`."""
-    with ops.fused():
-        yield
 
 
 DEVICE = DEVICES[0]
