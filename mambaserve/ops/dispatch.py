@@ -74,7 +74,8 @@ def backend(name: str) -> Iterator[None]:
 
 
 # The decode-step fusions are opt-in (MAMBASERVE_DECODE_FUSIONS=1, or `fused()`) until they are
-# measured on a GPU: their first H200 run was correct, but timed nothing at batch sizes 2-16.
+# timed on a GPU: the H200 found them correct, and a workload with decode batches of 2-16 ran
+# about 2x slower with them in (not yet explained).
 DECODE_FUSIONS = os.environ.get("MAMBASERVE_DECODE_FUSIONS", "0") == "1"
 
 
@@ -86,27 +87,25 @@ def fusions_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def fused() -> Iterator[None]:
-    """Inside the block, the fused decode paths are on in this thread (tests, the profiler)."""
+def _fusions(on: bool) -> Iterator[None]:
     previous = getattr(_local, "fusions", DECODE_FUSIONS)
-    _local.fusions = True
+    _local.fusions = on
     try:
         yield
     finally:
         _local.fusions = previous
 
 
-@contextlib.contextmanager
-def unfused() -> Iterator[None]:
+def fused() -> contextlib.AbstractContextManager[None]:
+    """Inside the block, the fused decode paths are on in this thread (tests, the profiler)."""
+    return _fusions(True)
+
+
+def unfused() -> contextlib.AbstractContextManager[None]:
     """Inside the block, the fused decode paths are off in this thread: each op and layer takes
     its unfused kernels (the same results up to float32 summation order). Graphs captured
     inside the block keep the unfused launches."""
-    previous = getattr(_local, "fusions", DECODE_FUSIONS)
-    _local.fusions = False
-    try:
-        yield
-    finally:
-        _local.fusions = previous
+    return _fusions(False)
 
 
 def use_triton(t: torch.Tensor) -> bool:
