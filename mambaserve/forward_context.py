@@ -47,8 +47,9 @@ from mambaserve.ops.varlen import (
 @dataclass
 class VerifyStep:
     """Position j of the verify sequences that have one: rows (n,) int64, their token rows in
-    the step; src (n,) int64, the state rows they continue from; ctx, a decode-only context of n
-    sequences whose state_indices (int32) are the rows receiving the state after position j."""
+    the step; src (n,), the state rows they continue from (int64; for j = 0 the plan's int32
+    slots themselves); ctx, a decode-only context of n sequences whose state_indices (int32)
+    are the rows receiving the state after position j."""
 
     rows: torch.Tensor
     src: torch.Tensor
@@ -71,12 +72,12 @@ class VerifyPlan:
     slots: torch.Tensor
     state_rows: torch.Tensor
     token_seq: torch.Tensor
-    _host: tuple = field(repr=False, compare=False)  # (offsets, slots, state rows, device, mamba caches)
+    _host: tuple = field(repr=False, compare=False)  # (offsets, state rows, device, mamba caches)
     _steps: list[VerifyStep] | None = field(default=None, repr=False, compare=False)
 
     def steps(self) -> list[VerifyStep]:
         if self._steps is None:
-            offsets, slots, state_rows, device, caches = self._host
+            offsets, state_rows, device, caches = self._host
             self._steps = []
             for j in range(max(len(r) for r in state_rows)):
                 seqs = [i for i in range(self.num_seqs) if len(state_rows[i]) > j]
@@ -84,9 +85,11 @@ class VerifyPlan:
                 ctx = ForwardContext.build(query_lens=[1] * len(seqs), seq_lens=[1] * len(seqs), state_indices=dst,
                                            has_initial_state=[True] * len(seqs), block_tables=None, block_size=1,
                                            device=device, mamba_caches=caches)
+                # position 0 (every sequence has one) continues from the slots, read from the
+                # device tensor itself: a verify CUDA graph replays with other slots in it
+                src = self.slots if j == 0 else _to([state_rows[i][j - 1] for i in seqs], device)
                 self._steps.append(VerifyStep(_to(self.first_row + np.asarray([offsets[i] + j for i in seqs]), device),
-                                              _to([slots[i] if j == 0 else state_rows[i][j - 1] for i in seqs], device),
-                                              ctx))
+                                              src, ctx))
         return self._steps
 
 
@@ -339,4 +342,4 @@ def _verify_plan(state_rows: list[list[int]], offsets: list[int], query_lens: li
     flat = _to(np.concatenate([local, slots, np.asarray(table).reshape(-1), token_seq]), device, torch.int32)
     a, b, c = n + 1, 2 * n + 1, 2 * n + 1 + n * width
     return VerifyPlan(n, offsets[first], local[-1], flat[:a], flat[a:b], flat[b:c].view(n, width), flat[c:],
-                      _host=(local, slots, state_rows, device, mamba_caches))
+                      _host=(local, state_rows, device, mamba_caches))

@@ -20,6 +20,7 @@ from mambaserve.cache.budget import resolve_max_num_batched_tokens, size_pools
 from mambaserve.cache.tensors import allocate_caches
 from mambaserve.config import EngineConfig
 from mambaserve.distributed import SINGLE, TensorParallelGroup, host_barrier, min_over_ranks
+from mambaserve.engine.cuda_graph import capture_full_graphs
 from mambaserve.engine.runner_setup import check_max_model_len, set_cpu_threads
 from mambaserve.engine.scheduler import ScheduledSequence
 from mambaserve.engine.sequence import Sequence
@@ -42,7 +43,8 @@ class StepLogits:
     sample_logits: (num_sampled, vocab) float32 for `sample_seqs` (same order).
     prompt_logits: per sequence id, (n, vocab) float32 logits of its prompt rows in this step,
     with the absolute position of the first row. path: how the forward ran: "decode_graph"
-    (the full decode CUDA graphs), "piecewise" (piecewise graphs, padded) or "eager".
+    (the full decode CUDA graphs), "verify_graph" (the full graphs of uniform verify steps),
+    "piecewise" (piecewise graphs, padded) or "eager".
     verify: the ScheduledSequences that verify drafts (speculative decoding), verify_logits
     their (sum of 1 + k, vocab) float32 rows in order, verify_state_rows the state rows that
     hold the state after each of their positions.
@@ -116,7 +118,7 @@ class ModelRunner:
                                       num_blocks=max(self.num_blocks, 1),
                                       block_size=self.block_size, device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
-        self.decode_graphs = self.piecewise_graphs = None
+        self.decode_graphs = self.verify_graphs = self.piecewise_graphs = None
         t0 = time.perf_counter()
         if self.compilation_mode in ("piecewise", "full_and_piecewise"):
             self._capture_piecewise_graphs()
@@ -146,15 +148,12 @@ class ModelRunner:
         self.piecewise_graphs.capture()
 
     def _capture_decode_graphs(self) -> None:
-        from mambaserve.engine.cuda_graph import DecodeGraphRunner, default_capture_sizes
-
-        sizes = self.config.cuda_graph_sizes or default_capture_sizes(self.max_num_seqs)
-        # a captured batch never exceeds the usable state slots (the last slot is the scratch slot)
-        sizes = sorted({min(int(s), self.max_num_seqs) for s in sizes})
-        self.decode_graphs = DecodeGraphRunner(self.model, self.caches, sizes=sizes, max_model_len=self.max_model_len,
-                                               block_size=self.block_size, has_attention=self.has_attention,
-                                               device=self.device)
-        self.decode_graphs.capture()
+        verify = (self.verify_stride, self.verify_base, self.max_num_verify_seqs, self.scratch_slot) \
+            if self.verify_stride > 1 else None
+        self.decode_graphs, self.verify_graphs = capture_full_graphs(
+            self.model, self.caches, sizes=self.config.cuda_graph_sizes, max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len, block_size=self.block_size, has_attention=self.has_attention,
+            device=self.device, verify=verify)
 
     # ---------------------------------------------------------------- sizing
     def _cache_budget(self) -> int:
@@ -345,6 +344,9 @@ class ModelRunner:
                 all_logits = graphs.run(None, step.positions, step.state_slots, self._tables(step),
                                         device_ids=(tokens, step.token_rows))
             return self._needed_logits(step, lambda rows: all_logits[rows], "decode_graph")  # (batch, vocab)
+        if self._uniform_verify(step):
+            all_logits = self.verify_graphs.run(step.token_ids, step.positions, step.state_slots, self._tables(step))
+            return self._needed_logits(step, lambda rows: all_logits[rows], "verify_graph")  # (batch (k + 1), vocab)
         padded = None
         if not step.one_token_each and self.piecewise_graphs is not None:
             padded = self.piecewise_graphs.padded_size(len(step.positions))
@@ -361,6 +363,15 @@ class ModelRunner:
             hidden = self.model(input_ids, pos, ctx)
         return self._needed_logits(step, lambda rows: self.model.compute_logits(hidden[rows]),
                                    "eager" if padded is None else "piecewise")
+
+    def _uniform_verify(self, step: StepInput) -> bool:
+        """Whether the verify graphs run this step: every sequence verifies k drafts (k + 1 new
+        tokens each, its state rows those `prepare` assigns to its place in the batch), and no
+        prompt logits, state saves or device tokens are asked for."""
+        graphs = self.verify_graphs
+        return (graphs is not None and len(step.verify_state_rows) == len(step.query_lens) <= graphs.max_size
+                and all(n == graphs.query_len for n in step.query_lens) and not step.prompt_rows
+                and not step.state_saves and step.device_tokens is None)
 
     def _tables(self, step: StepInput) -> list[list[int]] | None:
         return step.block_tables if self.has_attention else None

@@ -1,5 +1,6 @@
 """GPU-only: speculative decoding through the Triton kernels (the fused verify ops) and the
-graphs (verify steps piecewise, plain decodes in the full decode graphs) against no
+graphs (verify steps in the full verify graphs where every sequence verifies k drafts, piecewise
+otherwise; plain decodes in the full decode graphs) against no
 speculation. float32 (TF32 off) to the graphs-vs-eager bar (1e-3 nats), bfloat16 to the bf16
 one (a near tie may flip). Drafts: the plain run's own continuation with some corrupted
 (`test_spec_decode.oracle`), and n-gram drafts on the bundled demo model. Skipped without CUDA.
@@ -51,3 +52,25 @@ def test_gpu_demo_model_ngram_acceptance():
     st = llm.llm_engine.spec.stats
     assert out.token_ids == plain.token_ids
     assert st.num_drafts > 0 and st.num_accepted_tokens > 0.3 * st.num_draft_tokens
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", EVERY_FAMILY)
+def test_gpu_verify_graphs_equal_plain(name, dtype):
+    """Every sequence verifies k drafts in most steps: those replay the captured verify graphs
+    (batch 5 padded to 8, then smaller as sequences finish)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    kw = {"skip_tokenizer_init": True, "dtype": dtype, "device": "cuda", "max_num_seqs": 8, "block_size": 16,
+          "mamba_block_size": 16, "cuda_graph_sizes": [1, 2, 4, 8], "gpu_memory_utilization": SHARE}
+    prompts = spec_prompts(name)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=5)
+    a = gen_with_logprobs(LLM(checkpoint(name), **kw), prompts, params)
+    llm = LLM(checkpoint(name), speculative_config=ngram(3), **kw)
+    oracle(llm, prompts, [t for t, _ in a], corrupt_every=7, skip=lambda p: False)
+    b = gen_with_logprobs(llm, prompts, params)
+    if dtype == "float32":
+        assert assert_greedy_close(a, b, max_gap=1e-3, logprob_tol=1e-3) == [None] * len(prompts)
+    else:
+        assert_greedy_close(a, b, logprob_tol=0.6 if name in ("jamba", "zamba2") else 0.25)
+    assert llm.llm_engine.stats.step_breakdown["verify_graph/decode"].steps > 0
