@@ -43,23 +43,26 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 def capture_full_graphs(model, caches, *, sizes: list[int] | None, max_num_seqs: int, max_model_len: int,
                         block_size: int, has_attention: bool, device: torch.device,
                         verify: tuple[int, int, int, int] | None = None
-                        ) -> tuple[DecodeGraphRunner, DecodeGraphRunner | None]:
+                        ) -> tuple[DecodeGraphRunner, dict[int, DecodeGraphRunner]]:
     """The decode graphs (sizes: the configured batch sizes, None for `default_capture_sizes`;
     a captured batch never exceeds max_num_seqs, the usable state slots) and, with speculative
     decoding, the verify graphs: verify = (k + 1, the first scratch state row, the most
-    sequences that verify in a step, the scratch slot that padding reads), captured up to that
-    many sequences. Returns (decode graphs, verify graphs or None), both captured."""
+    sequences that verify in a step, the scratch slot that padding reads), one set per number
+    of new tokens 2..k + 1 (a proposer may find fewer than k drafts), up to that many
+    sequences. Returns (decode graphs, {tokens per sequence: verify graphs}), all captured."""
     sizes = sorted({min(int(s), max_num_seqs) for s in (sizes or default_capture_sizes(max_num_seqs))})
     common = dict(max_model_len=max_model_len, block_size=block_size, has_attention=has_attention, device=device)
     decode = DecodeGraphRunner(model, caches, sizes=sizes, **common)
     decode.capture()
-    if verify is None:
-        return decode, None
-    query_len, base, max_seqs, pad_slot = verify
-    graphs = DecodeGraphRunner(model, caches, sizes=sorted({min(s, max_seqs) for s in sizes}), query_len=query_len,
-                               verify_rows=(base, query_len), pad_slot=pad_slot, **common)
-    graphs.capture()
-    return decode, graphs
+    verify_graphs = {}
+    if verify is not None:
+        stride, base, max_seqs, pad_slot = verify
+        for q in range(stride, 1, -1):
+            verify_graphs[q] = DecodeGraphRunner(model, caches, sizes=sorted({min(s, max_seqs) for s in sizes}),
+                                                 query_len=q, verify_rows=(base, stride), pad_slot=pad_slot, **common)
+            verify_graphs[q].pool = decode.pool  # one memory pool for all the full graphs
+            verify_graphs[q].capture()
+    return decode, verify_graphs
 
 
 class DecodeGraphRunner(CapturedSizes):

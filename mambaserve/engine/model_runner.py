@@ -20,7 +20,7 @@ from mambaserve.cache.budget import resolve_max_num_batched_tokens, size_pools
 from mambaserve.cache.tensors import allocate_caches
 from mambaserve.config import EngineConfig
 from mambaserve.distributed import SINGLE, TensorParallelGroup, host_barrier, min_over_ranks
-from mambaserve.engine.cuda_graph import capture_full_graphs
+from mambaserve.engine.cuda_graph import DecodeGraphRunner, capture_full_graphs
 from mambaserve.engine.runner_setup import check_max_model_len, set_cpu_threads
 from mambaserve.engine.scheduler import ScheduledSequence
 from mambaserve.engine.sequence import Sequence
@@ -118,7 +118,7 @@ class ModelRunner:
                                       num_blocks=max(self.num_blocks, 1),
                                       block_size=self.block_size, device=self.device)
         self.compilation_mode = config.resolved_compilation_mode()
-        self.decode_graphs = self.verify_graphs = self.piecewise_graphs = None
+        self.decode_graphs, self.piecewise_graphs, self.verify_graphs = None, None, {}  # verify: by tokens a row
         t0 = time.perf_counter()
         if self.compilation_mode in ("piecewise", "full_and_piecewise"):
             self._capture_piecewise_graphs()
@@ -344,8 +344,8 @@ class ModelRunner:
                 all_logits = graphs.run(None, step.positions, step.state_slots, self._tables(step),
                                         device_ids=(tokens, step.token_rows))
             return self._needed_logits(step, lambda rows: all_logits[rows], "decode_graph")  # (batch, vocab)
-        if self._uniform_verify(step):
-            all_logits = self.verify_graphs.run(step.token_ids, step.positions, step.state_slots, self._tables(step))
+        if (verify := self._uniform_verify(step)) is not None:
+            all_logits = verify.run(step.token_ids, step.positions, step.state_slots, self._tables(step))
             return self._needed_logits(step, lambda rows: all_logits[rows], "verify_graph")  # (batch (k + 1), vocab)
         padded = None
         if not step.one_token_each and self.piecewise_graphs is not None:
@@ -364,14 +364,14 @@ class ModelRunner:
         return self._needed_logits(step, lambda rows: self.model.compute_logits(hidden[rows]),
                                    "eager" if padded is None else "piecewise")
 
-    def _uniform_verify(self, step: StepInput) -> bool:
-        """Whether the verify graphs run this step: every sequence verifies k drafts (k + 1 new
-        tokens each, its state rows those `prepare` assigns to its place in the batch), and no
-        prompt logits, state saves or device tokens are asked for."""
-        graphs = self.verify_graphs
-        return (graphs is not None and len(step.verify_state_rows) == len(step.query_lens) <= graphs.max_size
-                and all(n == graphs.query_len for n in step.query_lens) and not step.prompt_rows
-                and not step.state_saves and step.device_tokens is None)
+    def _uniform_verify(self, step: StepInput) -> DecodeGraphRunner | None:
+        """The verify graphs of this step if every sequence verifies as many drafts (state rows
+        as `prepare` assigns them) and no prompt logits, state saves or device tokens are asked for."""
+        graphs = self.verify_graphs.get(step.query_lens[0]) if step.query_lens else None
+        ok = (graphs is not None and len(step.verify_state_rows) == len(step.query_lens) <= graphs.max_size
+              and all(n == graphs.query_len for n in step.query_lens) and not step.prompt_rows
+              and not step.state_saves and step.device_tokens is None)
+        return graphs if ok else None
 
     def _tables(self, step: StepInput) -> list[list[int]] | None:
         return step.block_tables if self.has_attention else None

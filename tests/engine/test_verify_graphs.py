@@ -13,13 +13,15 @@ from tests.engine.test_spec_decode import GREEDY, make, ngram, oracle, spec_prom
 
 
 def install_verify_graphs(llm, sizes):
-    """Give the engine's runner verify graphs of these batch sizes (on the CPU: eager replays)."""
+    """Give the engine's runner verify graphs of these batch sizes for 2..k + 1 new tokens per
+    sequence, as a GPU engine captures them (on the CPU: eager replays)."""
     r = llm.llm_engine.runner
-    r.verify_graphs = DecodeGraphRunner(
-        r.model, r.caches, sizes=sizes, max_model_len=r.max_model_len, block_size=r.block_size,
-        has_attention=r.has_attention, device=r.device, query_len=r.verify_stride,
-        verify_rows=(r.verify_base, r.verify_stride), pad_slot=r.scratch_slot)
-    r.verify_graphs.capture()
+    for q in range(2, r.verify_stride + 1):
+        r.verify_graphs[q] = DecodeGraphRunner(
+            r.model, r.caches, sizes=sizes, max_model_len=r.max_model_len, block_size=r.block_size,
+            has_attention=r.has_attention, device=r.device, query_len=q,
+            verify_rows=(r.verify_base, r.verify_stride), pad_slot=r.scratch_slot)
+        r.verify_graphs[q].capture()
     return r.verify_graphs
 
 
@@ -28,7 +30,7 @@ def test_uniform_verify_steps_in_graph_buffers_equal_plain_generation(name, k):
     prompts = spec_prompts(name)  # 5 sequences: padded to 8, then to 4, 2 and 1 as they finish
     refs = run(make(name, enable_prefix_caching=False), prompts, GREEDY)
     llm = make(name, speculative_config=ngram(k), block_size=4, mamba_block_size=8, max_num_seqs=8)
-    graphs = install_verify_graphs(llm, [1, 2, 4, 8])
+    graphs = install_verify_graphs(llm, [1, 2, 4, 8])[k + 1]
     oracle(llm, prompts, refs, skip=lambda p: False)
     assert run(llm, prompts, GREEDY) == refs
     assert run(llm, prompts, GREEDY) == refs  # prefix-cache hits the first pass filled
@@ -39,9 +41,9 @@ def test_uniform_verify_steps_in_graph_buffers_equal_plain_generation(name, k):
 
 
 def test_only_uniform_verify_steps_take_the_graphs():
-    """Steps where a sequence proposes fewer than k drafts (or none) beside the others run
-    through the general path; the steps where every sequence verifies k take the graphs; the
-    outputs are those of plain generation either way."""
+    """Steps where sequences verify different numbers of drafts (or none) run through the
+    general path; the steps where every sequence verifies as many take the graphs of that
+    many; the outputs are those of plain generation either way."""
     name, k, params = "bamba", 3, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     prompts = spec_prompts(name)
     refs = run(make(name, enable_prefix_caching=False), prompts, params)
@@ -68,7 +70,7 @@ def test_only_uniform_verify_steps_take_the_graphs():
     runner._forward = recorded
     assert run(llm, prompts, params) == refs
     for lens, verifying, path in seen:
-        uniform = verifying == len(lens) and set(lens) == {k + 1}
+        uniform = verifying == len(lens) and len(set(lens)) == 1 and 2 <= lens[0] <= k + 1
         assert (path == "verify_graph") == uniform, (lens, verifying, path)
     assert {p for *_, p in seen} >= {"verify_graph", "eager"}
 
