@@ -5,12 +5,17 @@ rounded to e4m3, x ~ q * s with s float32, per tensor (one s), per output channe
 (one s per row) or per token of an activation (one s per row, computed at run time from the
 row's absolute maximum: s = amax / 448).
 
-`fp8_linear` multiplies by an FP8 weight. On a CUDA device whose torch has `torch._scaled_mm`
+`fp8_linear` multiplies by an FP8 weight. Decode-sized inputs (at most 16 rows) on the Triton
+path take a weight-only GEMV (`gemv.fp8_gemv`: bf16 activations times the exactly widened FP8
+weight, one launch for most shapes): cuBLASLt's FP8 GEMM is slow at M = 1 and its activation
+quantize and bias add cost launches of their own, which a decode step's CUDA graph of a few
+hundred small kernels feels. For more rows, on a CUDA device whose torch has `torch._scaled_mm`
 (Hopper's FP8 tensor cores through cuBLASLt) the activations are quantized (per token, or with
 a static per-tensor scale), and one `_scaled_mm` computes (x_q W_q^T) * s_x * s_w in float32
 with a bfloat16 result; its layout rules (A row-major, B column-major: the transpose of a
 row-major (N, K) weight is; K and N multiples of 16; bfloat16 out) are checked, and a call
-that breaks them takes the reference. The reference (every CPU call) dequantizes the weight
+that breaks them takes the reference. A weight's row-wise scale for `_scaled_mm` is built once
+and cached. The reference (every CPU call) dequantizes the weight
 to the activations' dtype and runs F.linear: activations are not quantized there (the weight
 is the only rounding), so it is the "dequantized model" of the tests, and `reference_scaled_mm`
 states the GPU path's math for tests of it.
@@ -20,16 +25,21 @@ This module knows nothing about models.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
 from mambaserve.ops.common import check, next_power_of_2
 from mambaserve.ops.dispatch import current_backend, tl, triton, use_triton
+from mambaserve.ops.gemv import fp8_gemv, gemv_max_tokens
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite, positive scale
 _HAS_SCALED_MM = hasattr(torch, "_scaled_mm")
+# weight scale -> (its version, the (1, N) float32 row-wise scale `_scaled_mm` takes): built once
+_ROW_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @triton.jit
@@ -108,6 +118,24 @@ def _scaled_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and K % 16 == 0 and N % 16 == 0 and weight.stride(1) == 1 and x.shape[0] > 0)
 
 
+def _row_scale(weight_scale: torch.Tensor, N: int) -> torch.Tensor:
+    """weight_scale (1 or N elements) as the (1, N) float32 contiguous tensor that row-wise
+    `_scaled_mm` takes (contiguous scales are required there). A per-row float32 scale is a
+    view; any other is built once per scale tensor (its version checked, so a weight loaded in
+    place later is seen) and cached, except while a CUDA graph is captured: a copy made then
+    holds nothing until the graph replays."""
+    s = weight_scale.reshape(-1)
+    if s.numel() == N and s.dtype == torch.float32 and s.stride(0) == 1:
+        return s.view(1, N)
+    hit = _ROW_SCALES.get(weight_scale)
+    if hit is not None and hit[0] == weight_scale._version:
+        return hit[1]
+    row = s.float().expand(N).reshape(1, N).contiguous()
+    if not (row.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _ROW_SCALES[weight_scale] = (weight_scale._version, row)
+    return row
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
                input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y = x (W_q * s_w)^T + b: a linear layer whose weight is stored in FP8.
@@ -115,9 +143,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     x: (..., K) float; weight: (N, K) float8_e4m3fn; weight_scale: float32, 1 element (per
     tensor) or N (per output channel, shape (N,) or (N, 1)); bias: (N,) or None; input_scale:
     the checkpoint's static per-tensor activation scale (1 element), or None for dynamic
-    per-token scales (used by the FP8 GEMM only: the reference does not quantize x).
-    Returns (..., N) in x's dtype. Backend: module docstring. Raises ValueError on shapes or
-    dtypes that do not fit.
+    per-token scales (used by the FP8 GEMM only). Returns (..., N) in x's dtype.
+
+    Backends: decode-sized x (at most `gemv_max_tokens()` rows) on the Triton path (CUDA, or
+    the interpreter) runs `gemv.fp8_gemv`, weight-only: x stays in its dtype and input_scale is
+    not applied (as the FP8 experts and the decode out_proj), one launch for most shapes where
+    quantize + `_scaled_mm` + bias take four. More rows on CUDA: the FP8 GEMM of the module
+    docstring. Elsewhere the reference (the dequantized weight, F.linear). Raises ValueError
+    on shapes or dtypes that do not fit.
     """
     check(weight.dim() == 2 and weight.dtype == FP8_DTYPE and x.shape[-1] == weight.shape[1],
           lambda: f"weight must be (N, {x.shape[-1]}) float8_e4m3fn, got {tuple(weight.shape)} {weight.dtype}")
@@ -125,21 +158,24 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     check(weight_scale.numel() in (1, N),
           lambda: f"weight_scale must have 1 or {N} elements, got {weight_scale.numel()}")
     check(input_scale is None or input_scale.numel() == 1, "input_scale must be one per-tensor scale")
+    check(bias is None or bias.shape == (N,), lambda: f"bias must be ({N},), got {tuple(bias.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 0:  # no rows: no weight to dequantize
+    M = x2.shape[0]
+    if M == 0:  # no rows: no weight to dequantize
         return x.new_empty(*lead, N)
+    if use_triton(x2) and M <= gemv_max_tokens():
+        return fp8_gemv(x2, weight, weight_scale, bias).reshape(*lead, N)
     if not _scaled_mm_usable(x2, weight):
         return F.linear(x, dequantize_fp8(weight, weight_scale.reshape(-1), x.dtype), bias)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     xq, xs = quantize_fp8(x2, input_scale)  # (M, K) fp8, (M, 1) or (1,) float32
-    ws = weight_scale.float().reshape(-1)
-    if xs.numel() == 1 and ws.numel() == 1:  # tensor-wise scaling
-        a_scale, b_scale = xs.reshape(()), ws.reshape(())
-    else:  # row-wise: (M, 1) and (1, N)
-        a_scale = xs.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
-        b_scale = ws.reshape(1, -1).expand(1, N).contiguous()
+    if xs.numel() == 1 and weight_scale.numel() == 1:  # tensor-wise scaling
+        a_scale, b_scale = xs.reshape(()), weight_scale.float().reshape(())
+    else:  # row-wise: (M, 1) and (1, N), both contiguous; a dynamic xs already is
+        a_scale = xs if xs.shape == (M, 1) else xs.reshape(1, 1).expand(M, 1).contiguous()
+        b_scale = _row_scale(weight_scale, N)
     y = torch._scaled_mm(xq, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
     if bias is not None:
         y = y + bias
