@@ -254,13 +254,22 @@ def _param_group(name: str) -> str:
     return "gemv/gemm"
 
 
+def _is_scale(t: torch.Tensor, tensors: list[torch.Tensor]) -> bool:
+    """Whether t, among an MoE's expert tensors, is an FP8 weight's scale (float32, one dimension
+    short of the FP8 weights), not a weight that multiplies."""
+    fp8 = [w for w in tensors if w.dtype == torch.float8_e4m3fn]
+    return bool(fp8) and t.dtype == torch.float32 and t.dim() < fp8[0].dim()
+
+
 def model_shape(model: torch.nn.Module, conv_itemsize: int | None = None, ssm_itemsize: int | None = None,
                 kv_itemsize: int | None = None) -> ModelShape:
     """The floor's view of a built model (parameters on any device; meta is enough).
 
     Walks the Mamba2 mixers, attention layers and routed MoE layers (Granite's `GraniteMoE`,
     Jamba's `SparseMoeBlock`); every other parameter is an always-read weight, grouped by name
-    (`_param_group`). State and KV element sizes default to the model dtype's (lm_head's).
+    (`_param_group`). Bytes are the parameters' own: an FP8 weight 1 per element, plus its
+    float32 scales (not counted as matrix parameters). State and KV element sizes default to
+    the model dtype's (the embedding's: never quantized).
     Raises ValueError for a model with a layer the floor does not model (Mamba-1 mixers,
     ungated per-expert MoEs, blocks shared by several depths), rather than a floor that leaves
     their bytes or FLOPs out.
@@ -271,7 +280,8 @@ def model_shape(model: torch.nn.Module, conv_itemsize: int | None = None, ssm_it
     from mambaserve.layers.moe import GraniteMoE, SparseMoeBlock, UngatedExperts
 
     lm_head = model.lm_head.weight
-    item = lm_head.element_size()
+    emb = next(m for n, m in model.named_modules() if n.endswith(("embed_tokens", "embeddings"))).weight
+    item = emb.element_size()  # the model dtype's, also where FP8 weights are 1 byte
     shape = ModelShape(hidden_size=lm_head.shape[1], vocab_size=lm_head.shape[0])
     shape.weight_bytes = dict.fromkeys(GROUPS, 0)
     shape.matmul_params = dict.fromkeys(GROUPS, 0)
@@ -289,23 +299,23 @@ def model_shape(model: torch.nn.Module, conv_itemsize: int | None = None, ssm_it
             shape.attention.append(AttentionLayer(mod.num_heads, mod.num_kv_heads, mod.head_dim, kv_itemsize or item))
         elif isinstance(mod, (GraniteMoE, SparseMoeBlock)):
             if isinstance(mod, GraniteMoE):
-                E, k, tensors = mod.router.layer.weight.shape[0], mod.top_k, [mod.input_linear.weight,
-                                                                             mod.output_linear.weight]
-                stored = tensors[0].shape[0]  # E routed + num_shared always-on experts
+                E, k = mod.router.layer.weight.shape[0], mod.top_k
+                tensors = [p for lin in (mod.input_linear, mod.output_linear) for p in lin.parameters()]
+                stored = mod.input_linear.weight.shape[0]  # E routed + num_shared always-on experts
             else:
                 E, k = mod.router.weight.shape[0], mod.router.top_k
                 tensors = list(mod.experts.parameters())
                 stored = E
-            per_expert = sum(t.numel() for t in tensors) // stored
+            # FP8 experts: their weights 1 byte an element and their per-row scales read too
+            per_expert = sum(t.numel() for t in tensors if not _is_scale(t, tensors)) // stored
             per_bytes = sum(t.numel() * t.element_size() for t in tensors) // stored
             shape.moe.append(MoELayer(E, k, per_expert, per_bytes))
             shared = stored - E  # absorbed shared-expert slices: always read, always multiplied
             shape.weight_bytes["moe"] += shared * per_bytes
             shape.matmul_params["moe"] += shared * per_expert
             expert_params.update(id(t) for t in tensors)
-    emb = next(m for n, m in model.named_modules() if n.endswith(("embed_tokens", "embeddings"))).weight
     shape.embed_row_bytes = emb.shape[1] * emb.element_size()
-    shape.lm_head_params, shape.lm_head_bytes = lm_head.numel(), lm_head.numel() * item
+    shape.lm_head_params, shape.lm_head_bytes = lm_head.numel(), lm_head.numel() * lm_head.element_size()
     seen = {id(lm_head), id(emb)} | expert_params
     for name, p in model.named_parameters(remove_duplicate=True):
         if id(p) in seen:
@@ -313,20 +323,23 @@ def model_shape(model: torch.nn.Module, conv_itemsize: int | None = None, ssm_it
         seen.add(id(p))
         group = _param_group(name)
         shape.weight_bytes[group] += p.numel() * p.element_size()
-        if p.dim() >= 2 and group in ("gemv/gemm", "moe"):
+        if p.dim() >= 2 and group in ("gemv/gemm", "moe") and not name.endswith("_scale"):
             shape.matmul_params[group] += p.numel()
     return shape
 
 
-def shape_of_config(model: str, dtype: torch.dtype = torch.bfloat16, ssm_dtype: torch.dtype | None = None
-                    ) -> ModelShape:
+def shape_of_config(model: str, dtype: torch.dtype = torch.bfloat16, ssm_dtype: torch.dtype | None = None,
+                    quantization: str | None = None) -> ModelShape:
     """`model_shape` of a config file or checkpoint directory, the model built on the meta device
     (no memory, no weights read). ssm_dtype: the SSM state's (None: the model's, as the engine's
-    mamba_ssm_cache_dtype "auto" for most families)."""
+    mamba_ssm_cache_dtype "auto" for most families); quantization: the engine's ("fp8": the
+    layers it selects with FP8 weights and per-row scales, as after loading)."""
+    from mambaserve.layers.quantization import resolve_quantization, widen_scales
     from mambaserve.loader import build_model, load_config
 
     config = load_config(model)
-    net = build_model(config, dtype, "meta")
+    net = build_model(config, dtype, "meta", quantization=resolve_quantization(config, quantization))
+    widen_scales(net)
     if hasattr(net, "finalize_weights"):
         net.finalize_weights()  # the layout the engine runs (Granite's shared expert inside its MoE)
     ssm = ssm_dtype or getattr(net, "default_mamba_ssm_cache_dtype", None)
@@ -345,7 +358,8 @@ _KERNEL_GROUPS = (
     ("moe", "moe"), ("direct_gate_up", "moe"), ("direct_down", "moe"), ("grouped", "moe"), ("groupproblem", "moe"),
     ("_combine_kernel", "moe"), ("silu_mul", "moe"), ("router", "moe"), ("topk", "moe"), ("radix", "moe"),
     ("searchsorted", "moe"), ("gather", "moe"), ("index_put", "moe"),
-    ("gemv", "gemv/gemm"), ("linear_partials", "gemv/gemm"), ("gemm", "gemv/gemm"), ("nvjet", "gemv/gemm"),
+    ("gemv", "gemv/gemm"), ("linear_partials", "gemv/gemm"), ("sum_splits", "gemv/gemm"),
+    ("quantize_rows", "gemv/gemm"), ("scaled_mm", "gemv/gemm"), ("gemm", "gemv/gemm"), ("nvjet", "gemv/gemm"),
     ("cutlass", "gemv/gemm"), ("cublas", "gemv/gemm"), ("xmma", "gemv/gemm"), ("splitk", "gemv/gemm"),
     ("norm", "norm"),
 )

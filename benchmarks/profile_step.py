@@ -3,8 +3,10 @@
     PYTHONUNBUFFERED=1 python3 benchmarks/profile_step.py --model granite-4.0-tiny-preview \
         --output-json "$OUT/profile-granite.json"
 
-For one model of benchmarks/configs/ (random weights, bfloat16) it builds the engine in each of
-the modes given (`--modes eager,graphed`) and, with `torch.profiler` (CUDA activity), records
+For one model of benchmarks/configs/ (random weights, bfloat16; `--quantization fp8`: the
+engine's online FP8, its selected linear layers and experts with FP8 weights and per-row
+scales) it builds the engine in each of the modes given (`--modes eager,graphed`) and, with
+`torch.profiler` (CUDA activity), records
 - prefill: one batch of `--batch-size` prompts of `--input-len` tokens generating 1 token;
 - decode: the same batch generating `--decode-steps` + 1 tokens, minus the prefill run: what is
   left is `--decode-steps` decode steps.
@@ -26,7 +28,10 @@ and FLOPs the phase's steps must move and run (the engine's own model, its chunk
 prompts), the floor time they imply, and the measured kernel time by group (norm, gemv/gemm,
 moe, conv, scan, state update, attention, other) with each group's excess over its own floor
 and its share of the phase's gap (kernel time minus floor). The JSON holds all of it, with the
-GPU, the hardware figures and the commit ($MAMBASERVE_COMMIT, else git's HEAD).
+GPU, the hardware figures and the commit ($MAMBASERVE_COMMIT, else git's HEAD). The floor's
+bytes are the engine's own parameters (FP8: 1 byte a weight element plus its float32 scales);
+its FLOPs floor uses the bf16 matrix rate also for an FP8 engine (lm_head, attention and the
+scan stay bf16), so a prefill floor there is an upper bound.
 """
 
 from __future__ import annotations
@@ -265,6 +270,8 @@ def _profile_mode(model: str, mode: str, args, hw: dict | None, label: str) -> d
         raise ValueError(f"unknown mode {mode!r}: eager or graphed, each optionally with -unfused")
     if mode == "eager":
         kw["enforce_eager"] = True
+    if args.quantization:
+        kw["quantization"] = args.quantization
     t0 = time.perf_counter()
     llm = LLM(model, **kw)
     build_s = time.perf_counter() - t0
@@ -287,7 +294,7 @@ def _profile_mode(model: str, mode: str, args, hw: dict | None, label: str) -> d
             print(f"[{Path(model).stem}] no floor: {e}")
         else:
             add_floor(res, shape, args, runner.max_num_batched_tokens, hw)
-    name = Path(model).stem
+    name = Path(model).stem + (f" {args.quantization}" if args.quantization else "")
     for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
         s = res[phase]
         extra = f", unprofiled wall {s['wall_ms_per_step_unprofiled']:.3f} ms/step" if phase == "mixed" else ""
@@ -325,6 +332,8 @@ def main() -> int:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--mixed-decodes", type=int, default=0,
                     help="also profile steps of this many decodes plus one new prompt of --input-len tokens")
+    ap.add_argument("--quantization", default=None, choices=["fp8"],
+                    help="the engine's quantization (fp8: online, weights per output row; default: none)")
     ap.add_argument("--share", type=float, default=0.4, help="gpu_memory_utilization of each engine")
     ap.add_argument("--no-floor", action="store_true", help="skip the hardware measurement and floor tables")
     ap.add_argument("--output-json", default=None)
@@ -338,7 +347,7 @@ def main() -> int:
               f"{hw['bf16_matmul_flops_per_s'] / 1e12:.0f} TFLOP/s")
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model,
               "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "hardware": hw,
-              "input_len": args.input_len,
+              "input_len": args.input_len, "quantization": args.quantization,
               "batch_size": args.batch_size, "decode_steps": args.decode_steps, "modes": {}}
     for mode in args.modes.split(","):
         result["modes"][mode] = profile_mode(model, mode, args, hw)
@@ -355,7 +364,9 @@ def summary_lines(result: dict) -> list[str]:
     for mode, res in result["modes"].items():
         for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
             s = res[phase]
-            line = (f"[summary {result['model']} in{result['input_len']} bs{result['batch_size']} {mode} {phase}] "
+            quant = f" {result['quantization']}" if result.get("quantization") else ""
+            line = (f"[summary {result['model']}{quant} in{result['input_len']} bs{result['batch_size']} {mode} "
+                    f"{phase}] "
                     f"{s['kernels_per_step']:.0f} launches/step, kernels {s['kernel_ms_per_step']:.3f} ms, "
                     f"wall {s['wall_ms_per_step']:.3f} ms")
             if "floor" in s:

@@ -67,6 +67,34 @@ def test_model_shape_by_hand(shape):
     assert shape.mamba[0].conv_state_bytes == CONV_STATE and shape.mamba[0].ssm_state_bytes == SSM_STATE
 
 
+def test_fp8_model_shape_by_hand():
+    """quantization="fp8": the selected weights 1 byte an element plus a float32 scale per output
+    row (Mamba in_proj 230 + out_proj 48 rows, attention 48 + 24 + 24 + 48, shared MLP 80 + 48, an
+    expert 64 + 48), the router, norms and lm_head as before; matrix parameters unchanged."""
+    from mambaserve.layers.quantization import resolve_quantization, widen_scales
+
+    config = transformers.GraniteMoeHybridConfig(**TINY)
+    model = build_model(config, torch.bfloat16, "meta", quantization=resolve_quantization(config, "fp8"))
+    widen_scales(model)
+    model.finalize_weights()
+    fp8 = floor.model_shape(model)
+    rows = 2 * (230 + 48) + 2 * (48 + 24 + 24 + 48) + 4 * (80 + 48)
+    assert fp8.weight_bytes["gemv/gemm"] == GEMM_PARAMS + 4 * rows
+    assert fp8.matmul_params["gemv/gemm"] == GEMM_PARAMS and fp8.matmul_params["moe"] == ROUTER_PARAMS
+    assert fp8.weight_bytes["moe"] == 2 * ROUTER_PARAMS
+    assert [(m.expert_params, m.expert_bytes) for m in fp8.moe] == [(EXPERT, EXPERT + 4 * (64 + 48))] * 4
+    assert fp8.lm_head_bytes == 2 * 211 * 48 and fp8.embed_row_bytes == 2 * 48
+    assert fp8.mamba[0].conv_state_bytes == CONV_STATE and fp8.attention[0].kv_bytes_per_token == KV_TOKEN
+
+
+def test_fp8_shape_of_a_config_halves_granite_tiny_weight_bytes():
+    bf16 = floor.shape_of_config(str(BENCH / "configs" / "granite-4.0-tiny-preview.json"))
+    fp8 = floor.shape_of_config(str(BENCH / "configs" / "granite-4.0-tiny-preview.json"), quantization="fp8")
+    assert fp8.active_params_per_token == bf16.active_params_per_token
+    ratio = fp8.weight_bytes["gemv/gemm"] / bf16.weight_bytes["gemv/gemm"]
+    assert 0.5 < ratio < 0.505  # 1 byte instead of 2, plus 4 bytes per row of K >= 1024
+
+
 def test_decode_step_by_hand(shape):
     B, L = 3, 10
     cost = floor.step_cost(shape, floor.Step.decode(B, L))
