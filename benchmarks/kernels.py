@@ -24,6 +24,8 @@ views of an in_proj-shaped output. Batches: one 31,500-token prefill; 8 x 2,048-
 prefills; 4 x 1,024-token prefills mixed with 60 decodes; decode batches of 1, 8, 64, 256.
 Mamba-1 (mamba-130m: d_inner 1536, d_state 16, dt rank 48): the selective scan on a 2,048-token
 prefill and on 4 x 512 prefills beside 60 decodes, and its decode update at batches 1, 64, 256.
+FP8 linear layers at 1 and 8 rows (`FP8_LINEARS`: granite-4.0-tiny-preview's projections and a
+16384 x 8192 one), beside F.linear with the same weight in bf16.
 
 Extending: write a function that returns a list of `Case` and decorate it with `@register`
 (cases of other ops, e.g. attention or MoE, belong here too). `--sweep` times alternative
@@ -338,6 +340,34 @@ def mamba_decode_cases() -> list[Case]:
             5 * batch * NHEADS * HEADDIM * DSTATE,
             target_us={1: 5.9, 256: 210.0}.get(batch), baseline_us={1: 5.9, 256: 210.0}.get(batch),
             note="target: >= 85% of copy bandwidth" if batch == 256 else ""))
+    return cases
+
+
+# --- FP8 linear layers at decode: granite-4.0-tiny-preview's projections (N, K) and a large one
+
+FP8_LINEARS = {"in_proj": (6448, 1536), "out_proj": (1536, 3072), "q_proj": (1536, 1536), "k_proj": (512, 1536),
+               "shared_mlp.input": (2048, 1536), "shared_mlp.output": (1536, 1024), "16384x8192": (16384, 8192)}
+
+
+@register
+def fp8_linear_decode_cases() -> list[Case]:
+    """ops.fp8_linear at 1 and 8 rows (the weight-only FP8 GEMV) against F.linear with the bf16
+    weight: bytes are the weight, its per-row scales, x and the output (bias: none)."""
+    cases = []
+    for layer, (n, k) in FP8_LINEARS.items():
+        w = torch.randn(n, k, device=DEV) * 0.02
+        q, s = ops.quantize_fp8(w)
+        s = s.reshape(-1)
+        wb = w.to(BF16)
+        for m in (1, 8):
+            x = torch.randn(m, k, device=DEV, dtype=BF16)
+            io = 2 * m * (k + n)
+            cases.append(Case(f"fp8_linear {m} x {n}x{k}", "fp8_gemv",
+                              lambda x=x, q=q, s=s: ops.fp8_linear(x, q, s), n * k + 4 * n + io, 2 * m * n * k,
+                              note=f"{layer}; the bf16 case below: the 2x to aim at"))
+            cases.append(Case(f"bf16 F.linear {m} x {n}x{k}", "fp8_gemv",
+                              lambda x=x, wb=wb: torch.nn.functional.linear(x, wb), 2 * n * k + io, 2 * m * n * k,
+                              note=layer))
     return cases
 
 

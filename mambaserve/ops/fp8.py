@@ -122,11 +122,13 @@ def _row_scale(weight_scale: torch.Tensor, N: int) -> torch.Tensor:
     """weight_scale (1 or N elements) as the (1, N) float32 contiguous tensor that row-wise
     `_scaled_mm` takes (contiguous scales are required there). A per-row float32 scale is a
     view; any other is built once per scale tensor (its version checked, so a weight loaded in
-    place later is seen) and cached, except while a CUDA graph is captured: a copy made then
-    holds nothing until the graph replays."""
+    place later is seen) and cached, except while a CUDA graph is captured (a copy made then
+    holds nothing until the graph replays) and for an inference-mode scale (no version)."""
     s = weight_scale.reshape(-1)
     if s.numel() == N and s.dtype == torch.float32 and s.stride(0) == 1:
         return s.view(1, N)
+    if weight_scale.is_inference():  # no version counter: not cached
+        return s.float().expand(N).reshape(1, N).contiguous()
     hit = _ROW_SCALES.get(weight_scale)
     if hit is not None and hit[0] == weight_scale._version:
         return hit[1]

@@ -93,6 +93,9 @@ def test_row_scale_is_built_once_and_rebuilt_after_an_in_place_load():
     assert view.shape == (1, 12) and view.data_ptr() == per_row.data_ptr()  # a view, nothing built
     half = per_row.half()
     assert torch.equal(fp8._row_scale(half, 12), half.float().reshape(1, 12))
+    with torch.inference_mode():
+        frozen = torch.tensor([0.25])
+    assert (fp8._row_scale(frozen, 12) == 0.25).all()
 
 
 @pytest.mark.slow
