@@ -14,11 +14,11 @@ hundred small kernels feels. For more rows, on a CUDA device whose torch has `to
 a static per-tensor scale), and one `_scaled_mm` computes (x_q W_q^T) * s_x * s_w in float32
 with a bfloat16 result; its layout rules (A row-major, B column-major: the transpose of a
 row-major (N, K) weight is; K and N multiples of 16; bfloat16 out) are checked, and a call
-that breaks them takes the reference. A weight's row-wise scale for `_scaled_mm` is built once
-and cached. The reference (every CPU call) dequantizes the weight
-to the activations' dtype and runs F.linear: activations are not quantized there (the weight
-is the only rounding), so it is the "dequantized model" of the tests, and `reference_scaled_mm`
-states the GPU path's math for tests of it.
+that breaks them takes the reference; a weight's row-wise scale for it is built once and
+cached (`_row_scale`). The reference (every CPU call) dequantizes the weight to the
+activations' dtype and runs F.linear: activations are not quantized there (the weight is the
+only rounding), so it is the "dequantized model" of the tests, and `reference_scaled_mm`
+states the GEMM's math for tests of it.
 
 This module knows nothing about models.
 """
