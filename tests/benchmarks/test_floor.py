@@ -232,3 +232,25 @@ def test_families_the_floor_does_not_model_are_refused(name):
     """Mamba-1 mixers and Zamba2's shared blocks: a ValueError, not a floor missing their work."""
     with pytest.raises(ValueError, match="does not model"):
         floor.shape_of_config(str(BENCH / "configs" / f"{name}.json"))
+
+
+def test_profile_step_runs_an_fp8_engine_on_the_cpu(tmp_path, monkeypatch, capsys):
+    """The script end to end on a tiny checkpoint with --quantization fp8 (no GPU: no kernels,
+    no floor): the engine built with it, the JSON and the summary lines saying so."""
+    import json
+
+    from tests.models.tiny import checkpoint
+
+    out = tmp_path / "p.json"
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--model", checkpoint("granite-moe"), "--modes", "eager",
+                                      "--input-len", "8", "--decode-steps", "2", "--quantization", "fp8",
+                                      "--no-floor", "--output-json", str(out)])
+    built = []
+    import mambaserve
+
+    orig = mambaserve.LLM
+    monkeypatch.setattr(mambaserve, "LLM", lambda *a, **kw: built.append(kw.get("quantization")) or orig(*a, **kw))
+    assert profile_step.main() == 0
+    assert built == ["fp8"]
+    assert json.loads(out.read_text())["quantization"] == "fp8"
+    assert "fp8 in8 bs1 eager decode]" in capsys.readouterr().out
