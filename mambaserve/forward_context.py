@@ -138,6 +138,7 @@ class ForwardContext:
     # the plans, built on first use and kept for the step (keyed by what each depends on)
     _prefill: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
     _main: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
+    # conv blocks by `conv1d._override_version` (a config override may change their block size)
     _conv_blocks: dict[int, TokenBlocks] = field(default_factory=dict, init=False, repr=False, compare=False)
     _ssd_chunks: dict[int, SsdChunks] = field(default_factory=dict, init=False, repr=False, compare=False)
     _attention_plans: dict[tuple[int, int, int], AttentionPlan] = field(
@@ -202,15 +203,20 @@ class ForwardContext:
         return self._main
 
     def conv_blocks(self) -> TokenBlocks:
-        """The token blocks of `ops.causal_conv1d` for this batch (of the block size its launch
-        config takes for this many tokens on this device), built on first use."""
-        # the launcher looks its config up by the planned tokens (query_start_loc[-1]), which
-        # padded rows past them do not change
-        num_tokens = int(self.query_start_loc_host[-1]) if len(self.query_start_loc_host) else 0
-        block_t = conv1d.varlen_block_t(conv1d.table_for(self.device), num_tokens)
-        blocks = self._conv_blocks.get(block_t)
+        """The token blocks of `ops.causal_conv1d` for this batch and its state saves (of the
+        block size its launch config takes for this many tokens on this device), built on
+        first use; later calls look nothing up unless a config override changed since."""
+        version = conv1d._override_version[0]
+        blocks = self._conv_blocks.get(version)
         if blocks is None:
-            blocks = self._conv_blocks[block_t] = conv_token_blocks(self.query_start_loc_host, block_t, self.device)
+            # the launcher looks its config up by the planned tokens (query_start_loc[-1]), which
+            # padded rows past them do not change
+            num_tokens = int(self.query_start_loc_host[-1]) if len(self.query_start_loc_host) else 0
+            block_t = conv1d.varlen_block_t(conv1d.table_for(self.device), num_tokens)
+            blocks = next((b for b in self._conv_blocks.values() if b.block_t == block_t), None)
+            if blocks is None:
+                blocks = conv_token_blocks(self.query_start_loc_host, block_t, self.device, self.state_saves)
+            self._conv_blocks[version] = blocks
         return blocks
 
     def ssd_chunks(self, chunk_size: int) -> SsdChunks:

@@ -4,8 +4,9 @@
 `causal_conv1d` runs one launch over a packed batch that mixes prefills and one-token decodes:
 the grid is (token blocks of all sequences) x (feature blocks), so a long prompt is split along
 its length and decodes cost one small program each; the token blocks are the step's plan
-(`varlen.TokenBlocks`). `causal_conv1d_update` is the decode-only variant (one token per
-sequence, no plan and no host sync: safe inside CUDA graphs).
+(`varlen.TokenBlocks`); prefix caching's state saves inside a prefill (`varlen.StateSaves`)
+are programs of the same launch, past the token blocks' ones. `causal_conv1d_update` is the
+decode-only variant (one token per sequence, no plan and no host sync: safe inside CUDA graphs).
 
 Why the kernels look the way they do (the op moves bytes and does almost no arithmetic, so
 everything is about loads in flight and loads not repeated):
@@ -49,7 +50,7 @@ from collections.abc import Iterator
 import torch
 
 from mambaserve.ops import reference
-from mambaserve.ops.common import check, check_batch, next_power_of_2
+from mambaserve.ops.common import cdiv, check, check_batch, next_power_of_2
 from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.varlen import NO_SAVES, StateSaves, TokenBlocks, conv_token_blocks, read_offsets
 
@@ -70,6 +71,7 @@ UPDATE_KEYS = ("block_d", "num_warps", "block_b")
 MAX_ROLL_WIDTH = 4  # the roll kernels' weight split and unrolled taps are written for widths <= 4
 
 _override = {}  # set by `config_override` (tests, the tuning sweep)
+_override_version = [0]  # bumped by every `config_override`: plans key their cached configs by it
 
 # What benchmarks/tune_conv1d.py times on a GPU (the interpreter tests and the sm_90 compile
 # check run every one); a table entry may hold only these.
@@ -187,6 +189,7 @@ def config_override(varlen: dict | None = None, update: dict | None = None) -> I
     """Force launch configs inside the block (tests and the tuning sweep; not thread-safe).
     varlen: a full config with "block_t" (the plan is then built at that size)."""
     saved = dict(_override)
+    _override_version[0] += 1
     if varlen is not None:
         _override["varlen"] = varlen
         _override["block_t"] = varlen["block_t"]
@@ -197,6 +200,7 @@ def config_override(varlen: dict | None = None, update: dict | None = None) -> I
     finally:
         _override.clear()
         _override.update(saved)
+        _override_version[0] += 1
 
 
 def _launch_pdl(x: torch.Tensor) -> bool:
@@ -291,6 +295,28 @@ def _write_new_state(x_ptr, state_base, start, seqlen, n_state, d, d_mask, strid
 
 
 @triton.jit
+def _write_save(x_ptr, states_ptr, qsl_ptr, block_seq_ptr, block_start_ptr, save_row_ptr, num_blocks, dim,
+                stride_x_t, stride_s_slot, stride_s_row, WIDTH: tl.constexpr, ROWS: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """A save program (a flat program id past the token blocks' programs): state row
+    save_row[k] gets the width - 1 input rows before save k's offset (`varlen.TokenBlocks`),
+    in the state dtype. It reads x only and writes a checkpoint row no other program touches
+    (save rows are never slots of the step's sequences), so it needs no ordering."""
+    pid = tl.program_id(0)
+    num_d_blocks = tl.cdiv(dim, BLOCK_D)
+    j = pid // num_d_blocks
+    d = (pid % num_d_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+    seq = tl.load(block_seq_ptr + j)
+    src = tl.load(qsl_ptr + seq).to(tl.int64) + tl.load(block_start_ptr + j) - (WIDTH - 1)  # first input row
+    row = tl.load(save_row_ptr + (j - num_blocks)).to(tl.int64)
+    r = tl.arange(0, ROWS)
+    mask = (r < WIDTH - 1)[:, None] & (d < dim)[None, :]
+    vals = tl.load(x_ptr + (src + r)[:, None] * stride_x_t + d[None, :], mask=mask, other=0.0)
+    tl.store(states_ptr + row * stride_s_slot + r[:, None] * stride_s_row + d[None, :],
+             vals.to(states_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _block_coords(block_seq_ptr, block_start_ptr, qsl_ptr, state_idx_ptr, has_init_ptr, dim,
                   WIDTH: tl.constexpr, BLOCK_D: tl.constexpr):
     # one flat grid, feature blocks fastest: neighbouring programs read neighbouring columns
@@ -312,19 +338,24 @@ def _block_coords(block_seq_ptr, block_start_ptr, qsl_ptr, state_idx_ptr, has_in
     return pid_d, p0, start, seqlen, slot, n_state
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # a per-step count: one kernel for all
 def _causal_conv1d_roll_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, out_ptr,
-    qsl_ptr, state_idx_ptr, has_init_ptr, block_seq_ptr, block_start_ptr,
-    dim,
+    qsl_ptr, state_idx_ptr, has_init_ptr, block_seq_ptr, block_start_ptr, save_row_ptr,
+    dim, num_blocks,
     stride_x_t, stride_w_d, stride_w_k, stride_s_slot, stride_s_row, stride_o_t,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     W_FLAT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-    launch_pdl: tl.constexpr,
+    HAS_SAVES: tl.constexpr, launch_pdl: tl.constexpr,
 ):
     if launch_pdl:
         tl.extra.cuda.gdc_wait()  # x may be the previous kernel's output
         tl.extra.cuda.gdc_launch_dependents()
+    if HAS_SAVES:
+        if tl.program_id(0) >= num_blocks * tl.cdiv(dim, BLOCK_D):
+            _write_save(x_ptr, states_ptr, qsl_ptr, block_seq_ptr, block_start_ptr, save_row_ptr, num_blocks, dim,
+                        stride_x_t, stride_s_slot, stride_s_row, WIDTH, ROWS, BLOCK_D)
+            return
     pid_d, p0, start, seqlen, slot, n_state = _block_coords(
         block_seq_ptr, block_start_ptr, qsl_ptr, state_idx_ptr, has_init_ptr, dim, WIDTH, BLOCK_D)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -367,18 +398,23 @@ def _causal_conv1d_roll_kernel(
                              WIDTH, ROWS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # a per-step count: one kernel for all
 def _causal_conv1d_tile_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, out_ptr,
-    qsl_ptr, state_idx_ptr, has_init_ptr, block_seq_ptr, block_start_ptr,
-    dim,
+    qsl_ptr, state_idx_ptr, has_init_ptr, block_seq_ptr, block_start_ptr, save_row_ptr,
+    dim, num_blocks,
     stride_x_t, stride_w_d, stride_w_k, stride_s_slot, stride_s_row, stride_o_t,
     WIDTH: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, launch_pdl: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SAVES: tl.constexpr, launch_pdl: tl.constexpr,
 ):
     if launch_pdl:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    if HAS_SAVES:
+        if tl.program_id(0) >= num_blocks * tl.cdiv(dim, BLOCK_D):
+            _write_save(x_ptr, states_ptr, qsl_ptr, block_seq_ptr, block_start_ptr, save_row_ptr, num_blocks, dim,
+                        stride_x_t, stride_s_slot, stride_s_row, WIDTH, ROWS, BLOCK_D)
+            return
     pid_d, p0, start, seqlen, slot, n_state = _block_coords(
         block_seq_ptr, block_start_ptr, qsl_ptr, state_idx_ptr, has_init_ptr, dim, WIDTH, BLOCK_D)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -518,70 +554,70 @@ def causal_conv1d(
     state_indices: (batch,) int32, -1 = padding (no state read or written);
     has_initial_state: (batch,) bool; activation: "silu" (or "swish") or None.
     blocks: the step's token blocks (`ForwardContext.conv_blocks`, or `varlen.conv_token_blocks`
-    at `varlen_block_t(table_for(x.device), num_tokens)`), used by the kernel; None builds them
-    from a device read of query_start_loc (a host sync, so never inside a CUDA-graph capture).
+    at `varlen_block_t(table_for(x.device), num_tokens)` with the same state_saves), used by
+    the kernel, which also keeps its launch config in them; None builds them from a device
+    read of query_start_loc (a host sync, so never inside a CUDA-graph capture).
     Returns (num_tokens, dim) in x.dtype; rows past query_start_loc[-1] are left unwritten.
     Sequence i is convolved as if preceded by conv_states[state_indices[i]] (zeros when it has
     no initial state); that slot then holds the last width - 1 inputs of the concatenation.
     state_saves (`varlen.StateSaves`, prefix caching's checkpoints inside the sequences): each
     save's row gets the width - 1 inputs before its position, what a step ending there would
-    leave in the slot; on the Triton path a save needs at least width - 1 rows of its sequence
-    before it (ValueError otherwise). Math: `reference.causal_conv1d`. Raises ValueError on
-    inconsistent shapes, conv_states not contiguous along dim, query_start_loc that starts
-    below 0, decreases or ends past x's rows, or blocks planned for another batch or block size.
+    leave in the slot, written by the conv kernel's launch itself (programs past the token
+    blocks'), so a save row must not be a slot of the batch; on the Triton path a save needs
+    at least width - 1 rows of its sequence before it (ValueError otherwise). Math:
+    `reference.causal_conv1d`. Raises ValueError on inconsistent shapes, conv_states not
+    contiguous along dim, query_start_loc that starts below 0, decreases or ends past x's
+    rows, or blocks planned for another batch, block size or state saves.
     """
     dim, width = _check_conv(x, weight, bias, conv_states, activation)
     batch = check_batch(query_start_loc, state_indices, has_initial_state)
     num_tokens = x.shape[0]
-    check(all(0 <= r < conv_states.shape[0] for r in state_saves.row),
+    check(state_saves.rows_within(conv_states.shape[0]),
           lambda: f"state save rows {state_saves.row} outside the {conv_states.shape[0]} rows of conv_states")
     if not use_triton(x):
         return reference.causal_conv1d(x, weight, bias, conv_states, query_start_loc, state_indices,
                                        has_initial_state, activation, state_saves)
-    if len(state_saves) and width > 1:
-        save_conv_states(x, conv_states, state_saves)
+    # the kernel takes a save's inputs from this step's rows, not from the slot's initial state
+    check(not len(state_saves) or state_saves.bounds[0] >= width - 1,
+          lambda: f"a state save needs the {width - 1} rows before it inside its sequence, got offsets "
+                  f"{state_saves.offset}")
     if blocks is None:
         offsets = read_offsets(query_start_loc)
-        cfg = varlen_config(table_for(x.device), int(offsets[-1]), dim, width)
-        blocks = conv_token_blocks(offsets, cfg["block_t"], x.device)
-    else:
+        block_t = varlen_block_t(table_for(x.device), int(offsets[-1]))
+        blocks = conv_token_blocks(offsets, block_t, x.device, state_saves)
+    check(blocks.saves is state_saves or blocks.saves == state_saves,
+          "the conv token blocks were planned for other state saves")
+    # the config and its checks, once per plan, dim and width (every layer of a step shares them)
+    key = (dim, width, _override_version[0])
+    cfg = blocks.launch.get(key)
+    if cfg is None:
         cfg = varlen_config(table_for(x.device), blocks.num_tokens, dim, width)
-    check_config("varlen", cfg, width)
-    check((blocks.block_t, blocks.batch) == (cfg["block_t"], batch),
-          lambda: f"token blocks of {blocks.block_t} for {blocks.batch} sequences; the call has {batch} "
-                  f"sequences and the kernel blocks of {cfg['block_t']}")
+        check_config("varlen", cfg, width)
+        check(blocks.block_t == cfg["block_t"],
+              lambda: f"token blocks of {blocks.block_t}; the kernel takes blocks of {cfg['block_t']}")
+        blocks.launch[key] = cfg
+    check(blocks.batch == batch, lambda: f"token blocks for {blocks.batch} sequences; the call has {batch}")
     check(blocks.num_tokens <= num_tokens,
           lambda: f"query_start_loc ends at {blocks.num_tokens}, past the {num_tokens} rows of x")
     out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     if blocks.num_blocks == 0 or dim == 0:
         return out
-    grid = (blocks.num_blocks * triton.cdiv(dim, cfg["block_d"]),)
+    has_saves = len(blocks.saves) > 0
+    grid = ((blocks.num_blocks + len(blocks.saves)) * cdiv(dim, cfg["block_d"]),)
     args = (x, weight, bias if bias is not None else weight, conv_states, out,
             query_start_loc, state_indices, has_initial_state, blocks.block_seq, blocks.block_start,
-            dim,
+            blocks.save_row if has_saves else blocks.block_seq,
+            dim, blocks.num_blocks,
             x.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0), conv_states.stride(1),
             out.stride(0))
     common = dict(WIDTH=width, ROWS=max(1, next_power_of_2(width - 1)), HAS_BIAS=bias is not None,
                   SILU=activation in ("silu", "swish"), BLOCK_T=cfg["block_t"], BLOCK_D=cfg["block_d"],
-                  num_warps=cfg["num_warps"], launch_pdl=_launch_pdl(x))
+                  HAS_SAVES=has_saves, num_warps=cfg["num_warps"], launch_pdl=_launch_pdl(x))
     if cfg["kernel"] == "roll":
         _causal_conv1d_roll_kernel[grid](*args, W_FLAT=_w_flat(weight, width), GROUP=cfg["group"], **common)
     else:
         _causal_conv1d_tile_kernel[grid](*args, **common)
     return out
-
-
-def save_conv_states(x: torch.Tensor, conv_states: torch.Tensor, state_saves: StateSaves) -> None:
-    """conv_states[row] = the width - 1 rows of x (num_tokens, dim) before each save's position
-    (`StateSaves`): one gather and one scatter, run before the conv kernel, which overwrites
-    the slots but not x. Raises ValueError for a save with fewer than width - 1 rows of its
-    sequence before it (those inputs are in the slot's initial state, which this does not read)."""
-    width = conv_states.shape[1] + 1
-    check(all(o >= width - 1 for o in state_saves.offset),
-          lambda: f"a state save needs the {width - 1} rows before it inside its sequence, got offsets "
-                  f"{state_saves.offset}")
-    rows, src = state_saves.conv_index(width, x.device)
-    conv_states[rows] = x[src].view(len(state_saves), width - 1, x.shape[1]).to(conv_states.dtype)
 
 
 def causal_conv1d_update(
@@ -612,7 +648,7 @@ def causal_conv1d_update(
         return out
     cfg = update_config(table_for(x.device), batch, dim, width)
     check_config("update", cfg, width)
-    grid = (triton.cdiv(dim, cfg["block_d"]), triton.cdiv(batch, cfg["block_b"]))
+    grid = (cdiv(dim, cfg["block_d"]), cdiv(batch, cfg["block_b"]))
     _causal_conv1d_update_kernel[grid](
         x, weight, bias if bias is not None else weight, conv_states, out, state_indices,
         batch, dim,

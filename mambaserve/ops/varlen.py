@@ -52,33 +52,6 @@ def _to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class TokenBlocks:
-    """The token blocks of a packed batch of `batch` sequences: block j covers positions
-    block_start[j] : block_start[j] + block_t of sequence block_seq[j]. Every sequence has at
-    least one block (an empty sequence too: its block writes its conv state)."""
-
-    block_t: int
-    batch: int
-    num_blocks: int
-    num_tokens: int  # query_start_loc[-1]: the input must have at least this many rows
-    block_seq: torch.Tensor  # (num_blocks,) int32
-    block_start: torch.Tensor  # (num_blocks,) int32, position inside the sequence
-
-
-def conv_token_blocks(query_start_loc_host: np.ndarray, block_t: int, device) -> TokenBlocks:
-    """Token blocks of `block_t` positions for the varlen causal conv1d. query_start_loc_host:
-    checked offsets (batch + 1,) int64; the block tensors go to `device` in one copy."""
-    qsl = query_start_loc_host
-    lens = np.diff(qsl)
-    nblocks = np.maximum(1, -(-lens // block_t))
-    seq = np.repeat(np.arange(lens.size), nblocks)
-    first = np.cumsum(nblocks) - nblocks
-    start = (np.arange(seq.size) - np.repeat(first, nblocks)) * block_t
-    block_seq, block_start = _to_device([seq, start], device)
-    return TokenBlocks(block_t, int(lens.size), int(seq.size), int(qsl[-1]), block_seq, block_start)
-
-
-@dataclass(frozen=True)
 class StateSaves:
     """State checkpoints a prefill writes at positions inside its sequences (prefix caching):
     entry k asks for the conv and SSM state of sequence seq[k] after its first offset[k] rows
@@ -92,14 +65,20 @@ class StateSaves:
     offset: tuple[int, ...] = ()
     row: tuple[int, ...] = ()
     start: tuple[int, ...] = ()
-    # device index tensors built from these, by (use, device): the step's layers share them
-    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (smallest offset, smallest row, largest row), for the launchers' per-call checks
+    bounds: tuple[int, int, int] = field(default=(0, 0, -1), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not len(self.seq) == len(self.offset) == len(self.row) == len(self.start):
             raise ValueError("StateSaves needs one offset, row and start per entry")
         if list(zip(self.seq, self.offset)) != sorted(set(zip(self.seq, self.offset))):
             raise ValueError("StateSaves entries must be sorted by (seq, offset), without repeats")
+        if self.seq:
+            object.__setattr__(self, "bounds", (min(self.offset), min(self.row), max(self.row)))
+
+    def rows_within(self, num_rows: int) -> bool:
+        """Whether every save row is in [0, num_rows) (O(1): `bounds`)."""
+        return not self.seq or (self.bounds[1] >= 0 and self.bounds[2] < num_rows)
 
     def __len__(self) -> int:
         return len(self.seq)
@@ -110,17 +89,6 @@ class StateSaves:
         keep = [k for k, i in enumerate(self.seq) if i >= first]
         return StateSaves(tuple(self.seq[k] - first for k in keep), tuple(self.offset[k] for k in keep),
                           tuple(self.row[k] for k in keep), tuple(self.start[k] - first_row for k in keep))
-
-    def conv_index(self, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rows (n,), sources (n * (width - 1),)) int64 on `device`: each save's state row and
-        the token rows of the width - 1 inputs before its position. Built once (one copy) and
-        kept, so that every conv layer of a step uses the same tensors."""
-        key = ("conv", width, str(device))
-        if key not in self._index:
-            src = [s + o - (width - 1) + j for s, o in zip(self.start, self.offset) for j in range(width - 1)]
-            flat = to_device(torch.tensor([*self.row, *src], dtype=torch.int64), device)
-            self._index[key] = (flat[: len(self)], flat[len(self):])
-        return self._index[key]
 
     def check(self, query_start_loc_host: np.ndarray, min_offset: int = 1) -> None:
         """Raise ValueError unless every save is inside its sequence, at least min_offset rows in
@@ -136,6 +104,48 @@ class StateSaves:
 
 
 NO_SAVES = StateSaves()
+
+
+@dataclass(frozen=True)
+class TokenBlocks:
+    """The token blocks of a packed batch of `batch` sequences: block j covers positions
+    block_start[j] : block_start[j] + block_t of sequence block_seq[j]. Every sequence has at
+    least one block (an empty sequence too: its block writes its conv state). With state
+    `saves` (`StateSaves`), entry num_blocks + k of block_seq / block_start is save k's
+    sequence and offset, and save_row[k] its state row: the conv kernel writes the saves in
+    the same launch (one program per save and feature block)."""
+
+    block_t: int
+    batch: int
+    num_blocks: int
+    num_tokens: int  # query_start_loc[-1]: the input must have at least this many rows
+    block_seq: torch.Tensor  # (num_blocks + len(saves),) int32
+    block_start: torch.Tensor  # (num_blocks + len(saves),) int32, position inside the sequence
+    saves: StateSaves = NO_SAVES
+    save_row: torch.Tensor | None = None  # (len(saves),) int32, or None without saves
+    # the launcher's config by (dim, width, config override version), shared by the step's layers
+    launch: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+def conv_token_blocks(query_start_loc_host: np.ndarray, block_t: int, device,
+                      saves: StateSaves | None = None) -> TokenBlocks:
+    """Token blocks of `block_t` positions for the varlen causal conv1d. query_start_loc_host:
+    checked offsets (batch + 1,) int64; saves: the step's state saves (`StateSaves`, checked
+    here), written by the conv kernel. The block tensors go to `device` in one copy."""
+    qsl = query_start_loc_host
+    lens = np.diff(qsl)
+    nblocks = np.maximum(1, -(-lens // block_t))
+    seq = np.repeat(np.arange(lens.size), nblocks)
+    first = np.cumsum(nblocks) - nblocks
+    start = (np.arange(seq.size) - np.repeat(first, nblocks)) * block_t
+    if saves is None or not len(saves):
+        block_seq, block_start = _to_device([seq, start], device)
+        return TokenBlocks(block_t, int(lens.size), int(seq.size), int(qsl[-1]), block_seq, block_start)
+    saves.check(qsl)
+    nb = seq.size
+    block_seq, block_start, save_row = _to_device(
+        [np.concatenate([seq, saves.seq]), np.concatenate([start, saves.offset]), np.asarray(saves.row)], device)
+    return TokenBlocks(block_t, int(lens.size), int(nb), int(qsl[-1]), block_seq, block_start, saves, save_row)
 
 
 @dataclass(frozen=True)
