@@ -115,3 +115,90 @@ def test_state_saves_refused_where_they_cannot_be_written(device):
     with pytest.raises(ValueError, match="outside the 8 rows"):
         ops.causal_conv1d(x, w, None, states, qsl, idx, has, state_saves=varlen.StateSaves((1,), (8,), (9,), (1,)))
     assert torch.equal(states, before)  # refused before anything was written
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel", ["roll", "tile"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_conv_saves_written_by_the_conv_launch(device, kernel, state_dtype):
+    """The save programs of the conv launch (both kernels) leave in each save row exactly the
+    width - 1 rows of x before its offset, in the state dtype, and touch no other row."""
+    width, dim = 4, 40
+    T = sum(LENS)
+    x = torch.randn(T, dim + 2, device=device, dtype=torch.bfloat16)[:, 2:]
+    w, bias = torch.randn(dim, width, device=device), torch.randn(dim, device=device)
+    states = torch.randn(NUM_ROWS, width - 1, dim, device=device).to(state_dtype)
+    qsl, idx, has, saves, ours = _batch(states, device)
+    cfg = {"kernel": "roll", "block_t": 8, "block_d": 16, "num_warps": 1, "group": 4} if kernel == "roll" else \
+        {"kernel": "tile", "block_t": 8, "block_d": 16, "num_warps": 4}
+    with ops.backend("triton"), ops.conv1d.config_override(varlen=cfg):
+        blocks = varlen.conv_token_blocks(varlen.check_offsets(qsl.tolist()), 8, device, saves)
+        y = ops.causal_conv1d(x, w, bias, ours, qsl, idx, has, blocks=blocks, state_saves=saves)
+        ref_states = states.clone()
+        expected = ops.reference.causal_conv1d(x, w, bias, ref_states, qsl, idx, has)
+    for i, o, r in SAVES:
+        start = int(qsl[i])
+        assert torch.equal(ours[r], x[start + o - (width - 1):start + o].to(state_dtype))
+    saved = [r for _, _, r in SAVES]
+    others = [r for r in range(NUM_ROWS) if r not in saved]
+    assert torch.allclose(ours[others].float(), ref_states[others].float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(y.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_conv_plan_shared_by_layers_equals_separate_plans(device, poison_empty):
+    """Layers of two widths and dims sharing the step's conv plan (its cached launch configs,
+    its save programs) compute bit for bit what each computes with a plan of its own."""
+    from mambaserve.forward_context import ForwardContext
+
+    T = sum(LENS)
+    ctx = ForwardContext.build(query_lens=LENS, seq_lens=[n + 5 for n in LENS], state_indices=SLOTS,
+                               has_initial_state=HAS, block_tables=None, block_size=1, device=device,
+                               state_saves=SAVES)
+    layers = []
+    for width, dim in ((4, 24), (3, 17)):
+        x = torch.randn(T, dim, device=device)
+        w, bias = torch.randn(dim, width, device=device), torch.randn(dim, device=device)
+        layers.append((x, w, bias, torch.randn(NUM_ROWS, width - 1, dim, device=device)))
+    with ops.backend("triton"):
+        shared = [states.clone() for *_, states in layers]
+        ys = [ops.causal_conv1d(x, w, b, s, ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
+                                blocks=ctx.conv_blocks(), state_saves=ctx.state_saves)
+              for (x, w, b, _), s in zip(layers, shared)]
+        assert len(ctx.conv_blocks().launch) == 2  # one config per (dim, width), built once
+        for k, (x, w, b, states) in enumerate(layers):
+            own = states.clone()
+            blocks = varlen.conv_token_blocks(ctx.query_start_loc_host, ctx.conv_blocks().block_t, device,
+                                              ctx.state_saves)
+            y = ops.causal_conv1d(x, w, b, own, ctx.query_start_loc, ctx.state_indices, ctx.has_initial_state,
+                                  blocks=blocks, state_saves=ctx.state_saves)
+            assert torch.equal(y[:T], ys[k][:T]) and torch.equal(own, shared[k])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_conv_plan_of_other_saves_refused(device):
+    T, dim, width = sum(LENS), 8, 4
+    x, w = torch.randn(T, dim, device=device), torch.randn(dim, width, device=device)
+    states = torch.randn(NUM_ROWS, width - 1, dim, device=device)
+    qsl, idx, has, saves, _ = _batch(states, device)
+    qsl_host = varlen.check_offsets(qsl.tolist())
+    before = states.clone()
+    with ops.backend("triton"):
+        for blocks, call_saves in ((varlen.conv_token_blocks(qsl_host, 32, device), saves),
+                                   (varlen.conv_token_blocks(qsl_host, 32, device, saves), varlen.NO_SAVES)):
+            with pytest.raises(ValueError, match="planned for other state saves"):
+                ops.causal_conv1d(x, w, None, states, qsl, idx, has, blocks=blocks, state_saves=call_saves)
+    assert torch.equal(states, before)
+
+
+def test_step_conv_plan_follows_a_config_override():
+    from mambaserve.forward_context import ForwardContext
+
+    ctx = ForwardContext.build(query_lens=LENS, seq_lens=LENS, state_indices=SLOTS, has_initial_state=[True] * 3,
+                               block_tables=None, block_size=1, device="cpu")
+    default = ctx.conv_blocks()
+    assert ctx.conv_blocks() is default
+    cfg = {"kernel": "roll", "block_t": 4, "block_d": 16, "num_warps": 1, "group": 4}
+    with ops.conv1d.config_override(varlen=cfg):
+        assert ctx.conv_blocks().block_t == 4
+    assert ctx.conv_blocks().block_t == default.block_t != 4
