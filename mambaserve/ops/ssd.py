@@ -29,6 +29,7 @@ This module knows nothing about models or the engine.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -435,10 +436,9 @@ def ssd_chunk_scan(
                                         state_indices, has_initial_state, dt_softplus, dt_limit, state_saves)
     num_tokens, nheads, headdim = x.shape
     ngroups, dstate = B.shape[1], B.shape[2]
-    dev = x.device
     check(x.dtype in TL_DTYPES, lambda: f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if chunks is None:
-        chunks = ssd_chunks(read_offsets(query_start_loc), chunk_size, dev, state_saves)
+        chunks = ssd_chunks(read_offsets(query_start_loc), chunk_size, x.device, state_saves)
     check(chunks.saves is state_saves or chunks.saves == state_saves,
           "the SSD chunks were planned for other state saves")
     check((chunks.chunk_size, chunks.batch) == (chunk_size, batch),
@@ -446,87 +446,116 @@ def ssd_chunk_scan(
                   f"chunk_size {chunk_size} and {batch} sequences")
     check(chunks.num_tokens <= num_tokens,
           lambda: f"query_start_loc ends at {chunks.num_tokens}, past the {num_tokens} rows of x")
+    y = torch.empty((num_tokens, nheads, headdim), dtype=x.dtype, device=x.device)
+    if batch == 0:
+        return y
+    # The intermediates and launch parameters live in the plan: every layer of a step with these
+    # shapes reuses them (the kernels of one call finish before the next call's, in stream
+    # order), which spares each layer six allocations and the grid arithmetic on the host.
+    key = (num_tokens, nheads, headdim, dstate, ngroups, x.dtype, x.device)
+    work = chunks.workspace.get(key)
+    if work is None:
+        work = chunks.workspace[key] = (_workspace(chunks, *key), {})
+    (dt_proc, cs, chunk_dA, states, state_in, cb), launches = work
+    options = (D is not None, z is not None, dt_bias is not None, bool(dt_softplus), tuple(dt_limit))
+    la = launches.get(options)
+    if la is None:
+        la = launches[options] = _launch_params(chunks, nheads, headdim, dstate, ngroups, x, *options)
     nc = chunks.num_chunks
+    if nc > 0:
+        _chunk_state_kernel[la.state_grid](
+            x, dt, A, dt_bias if dt_bias is not None else A, B, chunks.chunk_start, chunks.chunk_end,
+            dt_proc, cs, chunk_dA, states,
+            num_tokens, nheads, headdim, dstate, nheads // ngroups, la.lo, la.hi,
+            *x.stride(), *dt.stride(), *B.stride(), **la.state_kw,
+        )
+        _chunk_cb_kernel[la.cb_grid](
+            C, B, chunks.chunk_start, chunks.chunk_end, cb,
+            ngroups, dstate, chunk_size, *C.stride(), *B.stride(), **la.cb_kw,
+        )
+    _state_passing_kernel[la.passing_grid](
+        states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
+        chunks.save_row if chunks.save_row is not None else chunks.seq_chunk,
+        nheads, headdim * dstate, dstate, *ssm_states.stride(), **la.passing_kw,
+    )
+    if nc > 0:
+        zz = z if z is not None else x
+        _chunk_scan_kernel[la.scan_grid](
+            x, zz, C, D if D is not None else A, cb, dt_proc, cs, state_in, y,
+            chunks.chunk_start, chunks.chunk_end,
+            num_tokens, nheads, headdim, dstate, ngroups, nheads // ngroups, chunk_size, la.num_m_blocks,
+            *x.stride(), *zz.stride(), *C.stride(), *y.stride(), **la.scan_kw,
+        )
+    return y
+
+
+def _workspace(chunks: SsdChunks, num_tokens, nheads, headdim, dstate, ngroups, dtype, dev) -> tuple:
+    """The scan's intermediates for one plan and shape (`ssd_chunk_scan`)."""
+    nc = chunks.num_chunks
+    states_dtype = torch.float32 if CHUNK_STATES_FP32 else dtype
+    cb_dtype = torch.float32 if CB_FP32 else dtype
+    return (
+        torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev),  # dt'
+        torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev),  # in-chunk cumsum of dt' A
+        torch.empty((nc, nheads), dtype=torch.float32, device=dev),  # chunk total of dt' A
+        torch.empty((nc, nheads, headdim, dstate), dtype=states_dtype, device=dev),  # chunk states
+        torch.empty((nc, nheads, headdim, dstate), dtype=dtype, device=dev),  # state entering each chunk
+        torch.empty((nc, ngroups, chunks.chunk_size, chunks.chunk_size), dtype=cb_dtype, device=dev),  # C B^T
+    )
+
+
+@dataclass(frozen=True)
+class _LaunchParams:
+    """Grids and keyword arguments of the four kernels for one plan, shape and set of options."""
+
+    lo: float
+    hi: float
+    num_m_blocks: int
+    state_grid: tuple
+    cb_grid: tuple
+    passing_grid: tuple
+    scan_grid: tuple
+    state_kw: dict
+    cb_kw: dict
+    passing_kw: dict
+    scan_kw: dict
+
+
+def _launch_params(chunks: SsdChunks, nheads: int, headdim: int, dstate: int, ngroups: int, x: torch.Tensor,
+                   has_D: bool, has_z: bool, has_dt_bias: bool, dt_softplus: bool,
+                   dt_limit: tuple[float, float]) -> _LaunchParams:
+    nc, chunk_size = chunks.num_chunks, chunks.chunk_size
     # Matrix-product operands are rounded to x's dtype (float32 x: exact float32 products).
     # The Triton interpreter multiplies bfloat16 operands as raw integers, so on CPU tensors
     # the rounded operands are multiplied in float32 instead: same numbers, same result.
     operand_dtype = TL_DTYPES[x.dtype]
     dot_dtype = operand_dtype if x.is_cuda else tl.float32
-    dot_precision = "ieee" if dot_dtype == tl.float32 else "tf32"
+    dots = dict(OPERAND_DTYPE=operand_dtype, DOT_DTYPE=dot_dtype,
+                DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32")
     has_limit, lo, hi = dt_limit_args(dt_limit)
-    heads_per_group = nheads // ngroups
-    y = torch.empty((num_tokens, nheads, headdim), dtype=x.dtype, device=dev)
-    if batch == 0:
-        return y
 
-    # The intermediates live in the plan: every layer of a step with these shapes reuses them
-    # (the kernels of one call finish before the next call's, in stream order), which spares
-    # each layer six allocations on the host.
-    key = (num_tokens, nheads, headdim, dstate, ngroups, x.dtype, dev)
-    work = chunks.workspace.get(key)
-    if work is None:
-        states_dtype = torch.float32 if CHUNK_STATES_FP32 else x.dtype
-        cb_dtype = torch.float32 if CB_FP32 else x.dtype
-        work = chunks.workspace[key] = (
-            torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev),  # dt'
-            torch.empty((nheads, num_tokens), dtype=torch.float32, device=dev),  # in-chunk cumsum of dt' A
-            torch.empty((nc, nheads), dtype=torch.float32, device=dev),  # chunk total of dt' A
-            torch.empty((nc, nheads, headdim, dstate), dtype=states_dtype, device=dev),  # chunk states
-            torch.empty((nc, nheads, headdim, dstate), dtype=x.dtype, device=dev),  # state entering each chunk
-            torch.empty((nc, ngroups, chunk_size, chunk_size), dtype=cb_dtype, device=dev),  # C B^T per chunk
-        )
-    dt_proc, cs, chunk_dA, states, state_in, cb = work
+    cfg = CHUNK_STATE_CONFIG
+    bk, bp, bn = _block(cfg["block_k"], chunk_size), _block(cfg["block_p"], headdim), _block(cfg["block_n"], dstate)
+    state_grid = (nc * nheads * cdiv(headdim, bp) * cdiv(dstate, bn),)
+    state_kw = dict(HAS_DT_BIAS=has_dt_bias, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, **dots,
+                    BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
-    if nc > 0:
-        cfg = CHUNK_STATE_CONFIG
-        bk, bp, bn = _block(cfg["block_k"], chunk_size), _block(cfg["block_p"], headdim), _block(cfg["block_n"], dstate)
-        grid = (nc * nheads * cdiv(headdim, bp) * cdiv(dstate, bn),)
-        _chunk_state_kernel[grid](
-            x, dt, A, dt_bias if dt_bias is not None else A, B, chunks.chunk_start, chunks.chunk_end,
-            dt_proc, cs, chunk_dA, states,
-            num_tokens, nheads, headdim, dstate, heads_per_group, lo, hi,
-            *x.stride(), *dt.stride(), *B.stride(),
-            HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=bool(dt_softplus), HAS_DT_LIMIT=has_limit,
-            OPERAND_DTYPE=operand_dtype, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-            BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-        cfg = CB_CONFIG
-        bm, bk = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size)
-        bn = _block(cfg["block_n"], dstate)
-        grid = (nc * ngroups, cdiv(chunk_size, bm), cdiv(chunk_size, bk))
-        _chunk_cb_kernel[grid](
-            C, B, chunks.chunk_start, chunks.chunk_end, cb,
-            ngroups, dstate, chunk_size, *C.stride(), *B.stride(),
-            OPERAND_DTYPE=operand_dtype, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-            BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+    cfg = CB_CONFIG
+    bm, bk, bn = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size), _block(cfg["block_n"], dstate)
+    cb_grid = (nc * ngroups, cdiv(chunk_size, bm), cdiv(chunk_size, bk))
+    cb_kw = dict(**dots, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     cfg = PASSING_CONFIG
-    state_size = headdim * dstate
-    block = min(cfg["block"], next_power_of_2(state_size))
-    grid = (cdiv(state_size, block), nheads, batch)
-    _state_passing_kernel[grid](
-        states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
-        chunks.save_row if chunks.save_row is not None else chunks.seq_chunk,
-        nheads, state_size, dstate, *ssm_states.stride(),
-        HAS_SAVES=chunks.save_row is not None, BLOCK=block, num_warps=cfg["num_warps"],
-    )
+    block = min(cfg["block"], next_power_of_2(headdim * dstate))
+    passing_grid = (cdiv(headdim * dstate, block), nheads, chunks.batch)
+    passing_kw = dict(HAS_SAVES=chunks.save_row is not None, BLOCK=block, num_warps=cfg["num_warps"])
 
-    if nc > 0:
-        cfg = SCAN_CONFIG
-        bm, bp = _block(cfg["block_m"], chunk_size), _block(cfg["block_p"], headdim)
-        bk = min(bm, _block(cfg["block_k"], chunk_size))  # k blocks must tile each row block
-        num_m_blocks = cdiv(chunk_size, bm)
-        zz = z if z is not None else x
-        grid = (nc * num_m_blocks * nheads * cdiv(headdim, bp),)
-        _chunk_scan_kernel[grid](
-            x, zz, C, D if D is not None else A, cb, dt_proc, cs, state_in, y,
-            chunks.chunk_start, chunks.chunk_end,
-            num_tokens, nheads, headdim, dstate, ngroups, heads_per_group, chunk_size, num_m_blocks,
-            *x.stride(), *zz.stride(), *C.stride(), *y.stride(),
-            HAS_D=D is not None, HAS_Z=z is not None, OPERAND_DTYPE=operand_dtype, DOT_DTYPE=dot_dtype,
-            DOT_PRECISION=dot_precision,
-            BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=max(16, next_power_of_2(dstate)),
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
-    return y
+    cfg = SCAN_CONFIG
+    bm, bp = _block(cfg["block_m"], chunk_size), _block(cfg["block_p"], headdim)
+    bk = min(bm, _block(cfg["block_k"], chunk_size))  # k blocks must tile each row block
+    num_m_blocks = cdiv(chunk_size, bm)
+    scan_grid = (nc * num_m_blocks * nheads * cdiv(headdim, bp),)
+    scan_kw = dict(HAS_D=has_D, HAS_Z=has_z, **dots, BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp,
+                   BLOCK_N=max(16, next_power_of_2(dstate)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return _LaunchParams(lo, hi, num_m_blocks, state_grid, cb_grid, passing_grid, scan_grid, state_kw, cb_kw,
+                         passing_kw, scan_kw)
