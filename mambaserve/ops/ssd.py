@@ -3,14 +3,16 @@ Triton kernels and launcher (the decode step is `state_update.ssd_state_update`)
 
 The algorithm is the Mamba2 paper's (Dao & Gu, "Transformers are SSMs", section 6 and the
 minimal SSD listing), with every chunk inside one sequence (chunk boundaries per sequence are
-the step's plan, `varlen.SsdChunks`). Four launches:
+the step's plan, `varlen.SsdChunks`). Four steps in three launches (steps 1 and 2 read only the
+inputs, so one launch `_chunk_state_cb_kernel` runs both: its first programs are step 1's, the
+rest step 2's; on the host each launch costs more than the cb step's GPU time at small sizes):
 
-1. `_chunk_state_kernel`, grid (chunks, heads, p/n blocks): dt' = clamp(softplus(dt +
+1. `_chunk_state`, programs (chunks, heads, p/n blocks): dt' = clamp(softplus(dt +
    dt_bias), dt_limit), the in-chunk cumulative sum of dt' A (stored for steps 3 and 4), and
    the chunk's own contribution to the state at its end,
    s_c = sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T (float32), in two passes over the chunk's
    rows: the first finds cs_end, the second accumulates s_c in the matrix unit.
-2. `_chunk_cb_kernel`, grid (chunks x groups, row blocks, column blocks): C B^T of each chunk
+2. `_chunk_cb`, programs (chunks x groups, row blocks, column blocks): C B^T of each chunk
    and group, lower block triangle only (shared by all heads of the group).
 3. `_state_passing_kernel`, grid (sequences, heads, state blocks): walks each sequence's chunks
    in order from its initial state (read from the pool by state index, or zero), stores the
@@ -60,9 +62,9 @@ CB_FP32 = True
 SCAN_CONFIG = {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2}
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # a per-step count: one kernel for all
-def _chunk_state_kernel(
-    x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr,
+@triton.jit
+def _chunk_state(
+    pid, x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr,
     dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr,
     num_tokens, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
     stride_x_t, stride_x_h, stride_x_p,
@@ -76,7 +78,6 @@ def _chunk_state_kernel(
     # columns of the same token rows, so DRAM sees whole rows rather than 128-byte pieces
     num_n_blocks = tl.cdiv(dstate, BLOCK_N)
     num_pn = tl.cdiv(headdim, BLOCK_P) * num_n_blocks
-    pid = tl.program_id(0)
     c = pid // (nheads * num_pn)
     h = (pid // num_pn) % nheads
     pid_pn = pid % num_pn
@@ -144,17 +145,14 @@ def _chunk_state_kernel(
 
 
 @triton.jit
-def _chunk_cb_kernel(
-    C_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr, cb_ptr,
+def _chunk_cb(
+    pid_cg, pid_m, pid_k, C_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr, cb_ptr,
     ngroups, dstate, chunk_size,
     stride_C_t, stride_C_g, stride_C_n,
     stride_B_t, stride_B_g, stride_B_n,
     OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_cg = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_k = tl.program_id(2)
     c = pid_cg // ngroups
     g = pid_cg % ngroups
     start = tl.load(chunk_start_ptr + c)
@@ -180,6 +178,41 @@ def _chunk_cb_kernel(
         base = cb_ptr + pid_cg.to(tl.int64) * chunk_size * chunk_size
         tl.store(base + m[:, None] * chunk_size + k[None, :], acc.to(cb_ptr.dtype.element_ty),
                  mask=(m < chunk_size)[:, None] & (k < chunk_size)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_state_programs"])  # per-step counts: one kernel for all
+def _chunk_state_cb_kernel(
+    x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, C_ptr, chunk_start_ptr, chunk_end_ptr,
+    dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr, cb_ptr,
+    num_tokens, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
+    ngroups, chunk_size, num_state_programs, num_cg, num_cb_m,
+    stride_x_t, stride_x_h, stride_x_p,
+    stride_dt_t, stride_dt_h,
+    stride_B_t, stride_B_g, stride_B_n,
+    stride_C_t, stride_C_g, stride_C_n,
+    HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
+    OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    CB_BLOCK_M: tl.constexpr, CB_BLOCK_K: tl.constexpr, CB_BLOCK_N: tl.constexpr,
+):
+    # steps 1 and 2 read only the inputs and write separate buffers: one launch, the first
+    # num_state_programs programs computing chunk states, the rest C B^T blocks ((chunk,
+    # group) fastest, then row block, then column block)
+    pid = tl.program_id(0)
+    if pid < num_state_programs:
+        _chunk_state(pid, x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr,
+                     dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr,
+                     num_tokens, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
+                     stride_x_t, stride_x_h, stride_x_p, stride_dt_t, stride_dt_h,
+                     stride_B_t, stride_B_g, stride_B_n,
+                     HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, OPERAND_DTYPE, DOT_DTYPE, DOT_PRECISION,
+                     BLOCK_K, BLOCK_P, BLOCK_N)
+    else:
+        q = pid - num_state_programs
+        _chunk_cb(q % num_cg, (q // num_cg) % num_cb_m, q // (num_cg * num_cb_m),
+                  C_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr, cb_ptr, ngroups, dstate, chunk_size,
+                  stride_C_t, stride_C_g, stride_C_n, stride_B_t, stride_B_g, stride_B_n,
+                  OPERAND_DTYPE, DOT_DTYPE, DOT_PRECISION, CB_BLOCK_M, CB_BLOCK_K, CB_BLOCK_N)
 
 
 @triton.jit
@@ -334,7 +367,7 @@ def _chunk_scan_kernel(
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < k_end
         causal = (m[:, None] >= k[None, :]) & k_mask[None, :]
-        # only entries on or below the diagonal were computed by _chunk_cb_kernel
+        # only entries on or below the diagonal were computed by _chunk_cb
         cb = tl.load(cb_base + m[:, None] * chunk_size + k[None, :], mask=causal & m_mask[:, None], other=0.0)
         cs_k = tl.load(cs_ptr + t_base + k, mask=k_mask, other=0.0)
         dt_k = tl.load(dt_ptr + t_base + k, mask=k_mask, other=0.0)
@@ -463,15 +496,12 @@ def ssd_chunk_scan(
         la = launches[options] = _launch_params(chunks, nheads, headdim, dstate, ngroups, x, *options)
     nc = chunks.num_chunks
     if nc > 0:
-        _chunk_state_kernel[la.state_grid](
-            x, dt, A, dt_bias if dt_bias is not None else A, B, chunks.chunk_start, chunks.chunk_end,
-            dt_proc, cs, chunk_dA, states,
+        _chunk_state_cb_kernel[la.state_cb_grid](
+            x, dt, A, dt_bias if dt_bias is not None else A, B, C, chunks.chunk_start, chunks.chunk_end,
+            dt_proc, cs, chunk_dA, states, cb,
             num_tokens, nheads, headdim, dstate, nheads // ngroups, la.lo, la.hi,
-            *x.stride(), *dt.stride(), *B.stride(), **la.state_kw,
-        )
-        _chunk_cb_kernel[la.cb_grid](
-            C, B, chunks.chunk_start, chunks.chunk_end, cb,
-            ngroups, dstate, chunk_size, *C.stride(), *B.stride(), **la.cb_kw,
+            ngroups, chunk_size, la.num_state_programs, nc * ngroups, la.num_cb_m,
+            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), **la.state_cb_kw,
         )
     _state_passing_kernel[la.passing_grid](
         states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
@@ -506,17 +536,17 @@ def _workspace(chunks: SsdChunks, num_tokens, nheads, headdim, dstate, ngroups, 
 
 @dataclass(frozen=True)
 class _LaunchParams:
-    """Grids and keyword arguments of the four kernels for one plan, shape and set of options."""
+    """Grids and keyword arguments of the three launches for one plan, shape and set of options."""
 
     lo: float
     hi: float
+    num_state_programs: int
+    num_cb_m: int
     num_m_blocks: int
-    state_grid: tuple
-    cb_grid: tuple
+    state_cb_grid: tuple
     passing_grid: tuple
     scan_grid: tuple
-    state_kw: dict
-    cb_kw: dict
+    state_cb_kw: dict
     passing_kw: dict
     scan_kw: dict
 
@@ -536,14 +566,16 @@ def _launch_params(chunks: SsdChunks, nheads: int, headdim: int, dstate: int, ng
 
     cfg = CHUNK_STATE_CONFIG
     bk, bp, bn = _block(cfg["block_k"], chunk_size), _block(cfg["block_p"], headdim), _block(cfg["block_n"], dstate)
-    state_grid = (nc * nheads * cdiv(headdim, bp) * cdiv(dstate, bn),)
-    state_kw = dict(HAS_DT_BIAS=has_dt_bias, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, **dots,
-                    BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-
-    cfg = CB_CONFIG
-    bm, bk, bn = _block(cfg["block_m"], chunk_size), _block(cfg["block_k"], chunk_size), _block(cfg["block_n"], dstate)
-    cb_grid = (nc * ngroups, cdiv(chunk_size, bm), cdiv(chunk_size, bk))
-    cb_kw = dict(**dots, BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    num_state_programs = nc * nheads * cdiv(headdim, bp) * cdiv(dstate, bn)
+    cb = CB_CONFIG
+    # one launch takes both kernels' programs: their configs must agree on what a launch fixes
+    assert (cb["num_warps"], cb["num_stages"]) == (cfg["num_warps"], cfg["num_stages"])
+    cbm, cbk, cbn = _block(cb["block_m"], chunk_size), _block(cb["block_k"], chunk_size), _block(cb["block_n"], dstate)
+    num_cb_m = cdiv(chunk_size, cbm)
+    state_cb_grid = (num_state_programs + nc * ngroups * num_cb_m * cdiv(chunk_size, cbk),)
+    state_cb_kw = dict(HAS_DT_BIAS=has_dt_bias, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, **dots,
+                       BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=bn, CB_BLOCK_M=cbm, CB_BLOCK_K=cbk, CB_BLOCK_N=cbn,
+                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     cfg = PASSING_CONFIG
     block = min(cfg["block"], next_power_of_2(headdim * dstate))
@@ -557,5 +589,5 @@ def _launch_params(chunks: SsdChunks, nheads: int, headdim: int, dstate: int, ng
     scan_grid = (nc * num_m_blocks * nheads * cdiv(headdim, bp),)
     scan_kw = dict(HAS_D=has_D, HAS_Z=has_z, **dots, BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp,
                    BLOCK_N=max(16, next_power_of_2(dstate)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return _LaunchParams(lo, hi, num_m_blocks, state_grid, cb_grid, passing_grid, scan_grid, state_kw, cb_kw,
-                         passing_kw, scan_kw)
+    return _LaunchParams(lo, hi, num_state_programs, num_cb_m, num_m_blocks, state_cb_grid, passing_grid, scan_grid,
+                         state_cb_kw, passing_kw, scan_kw)
