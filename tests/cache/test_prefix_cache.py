@@ -195,3 +195,19 @@ def test_checkpoint_eviction_under_a_small_pool_and_reset():
 def test_mamba_block_size_must_be_a_multiple_of_the_kv_block():
     with pytest.raises(ValueError, match="multiple"):
         PrefixCache(block_pool=BlockPool(4, 16, True), checkpoints=StateCheckpointPool(1, 0), mamba_block_size=24)
+
+
+def test_extend_hashes_equals_hash_block_folded_over_the_blocks():
+    """The one-conversion chain of `extend_hashes` names blocks exactly as `hash_block` does,
+    extended in pieces that end inside a block, on one and at the prompt's end."""
+    rng = random.Random(1)
+    tokens = [rng.randrange(2**40) for _ in range(16 * 37 + 5)]
+    expected, parent = [], None
+    for j in range(len(tokens) // 16):
+        parent = hash_block(parent, tokens[16 * j:16 * (j + 1)])
+        expected.append(parent)
+    cache = PrefixCache(block_pool=None, checkpoints=StateCheckpointPool(0, 0), mamba_block_size=16)
+    hashes = []
+    for n in (7, 16, 16, 200, 513, len(tokens)):
+        cache.extend_hashes(hashes, lambda a, b: tokens[a:b], n)
+        assert hashes == expected[: n // 16]
