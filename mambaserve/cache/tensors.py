@@ -7,7 +7,7 @@ block_size, num_kv_heads, head_dim). Each in its spec's dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,19 @@ class CacheTensors:
 
     mamba: list[tuple[torch.Tensor, torch.Tensor]]
     kv: list[tuple[torch.Tensor, torch.Tensor]]
+    _row_views: dict[int, list[list[torch.Tensor]]] = field(default_factory=dict, repr=False, compare=False)
+
+    def state_row_views(self, row: int) -> list[list[torch.Tensor]]:
+        """Row `row` of every Mamba layer's conv and SSM states, grouped by dtype (layer order
+        inside a group), for multi-tensor copies of state rows; built on first use and kept (the
+        views of four state tensors per layer cost a copy's host time more than its launch)."""
+        views = self._row_views.get(row)
+        if views is None:
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in (t for layer in self.mamba for t in layer):
+                by_dtype.setdefault(t.dtype, []).append(t[row])
+            views = self._row_views[row] = list(by_dtype.values())
+        return views
 
 
 def allocate_caches(spec: CacheSpec, *, num_slots: int, num_blocks: int, block_size: int,

@@ -117,7 +117,6 @@ class ModelRunner:
         self.caches = allocate_caches(self.spec, num_slots=self.verify_base + self.num_verify_rows,
                                       num_blocks=max(self.num_blocks, 1),
                                       block_size=self.block_size, device=self.device)
-        self._row_views: dict[int, list[list[torch.Tensor]]] = {}  # `_copy_states`'s, by state row
         self.compilation_mode = config.resolved_compilation_mode()
         self.decode_graphs, self.piecewise_graphs, self.verify_graphs = None, None, {}  # verify: by tokens a row
         t0 = time.perf_counter()
@@ -325,20 +324,15 @@ class ModelRunner:
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state rows src -> dst of every Mamba layer's conv and SSM state, for (src, dst)
-        in pairs (prefix caching's checkpoints): one multi-tensor copy launch per state dtype for
-        all layers (a step with a checkpoint load would otherwise launch two kernels per state
-        tensor). A row's views (per dtype, layer order) are built on its first copy and kept:
-        four per layer per pair cost more host time than the launch."""
+        in pairs (prefix caching's checkpoints): one multi-tensor copy launch per state dtype
+        (the fused path takes one dtype a call) for all layers, over the rows' kept views."""
         if not pairs:
             return
-        for r in {r for pair in pairs for r in pair} - self._row_views.keys():
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # the fused path takes one dtype a call
-            for t in (t for layer in self.caches.mamba for t in layer):
-                by_dtype.setdefault(t.dtype, []).append(t[r])
-            self._row_views[r] = list(by_dtype.values())
-        for k, group in enumerate(self._row_views[pairs[0][0]]):
-            torch._foreach_copy_([self._row_views[d][k][i] for i in range(len(group)) for _, d in pairs],
-                                 [self._row_views[s][k][i] for i in range(len(group)) for s, _ in pairs])
+        rows = self.caches.state_row_views
+        dst, src = [rows(d) for _, d in pairs], [rows(s) for s, _ in pairs]
+        for k, group in enumerate(dst[0]):  # tensor-major, then pair, as before
+            torch._foreach_copy_([v[k][i] for i in range(len(group)) for v in dst],
+                                 [v[k][i] for i in range(len(group)) for v in src])
 
     def _forward(self, step: StepInput, tokens: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, list[torch.Tensor], str]:
