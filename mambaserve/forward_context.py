@@ -32,7 +32,7 @@ import torch
 
 from mambaserve.ops import conv1d
 from mambaserve.ops.attention import AttentionPlan, plan_paged_attention
-from mambaserve.ops.common import to_device
+from mambaserve.ops.common import pack_to_device, to_device
 from mambaserve.ops.varlen import (
     NO_SAVES,
     SsdChunks,
@@ -303,11 +303,9 @@ class ForwardContext:
             slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             ints.append(np.asarray(table, dtype=np.int64).reshape(-1))
             slot_mapping = to_device(torch.from_numpy(slots), device)
-        flat = to_device(torch.from_numpy(np.concatenate(ints).astype(np.int32)), device)
-        qsl, lens, indices, has_init = flat[: n + 1], flat[n + 1 : 2 * n + 1], flat[2 * n + 1 : 3 * n + 1], \
-            flat[3 * n + 1 : 4 * n + 1]
+        qsl, lens, indices, has_init, *table_flat = pack_to_device(ints, device)  # aligned views
         if block_tables is not None:
-            block_table = flat[4 * n + 1 :].view(n, width)
+            block_table = table_flat[0].view(n, width)
         verify = None
         if verify_state_rows:
             verify = _verify_plan(verify_state_rows, offsets, query_lens, state_indices, device, mamba_caches)
@@ -345,7 +343,6 @@ def _verify_plan(state_rows: list[list[int]], offsets: list[int], query_lens: li
     table = [r + [-1] * (width - len(r)) for r in state_rows]
     token_seq = [i for i, q in enumerate(query_lens[first:]) for _ in range(q)]
     # one host buffer, one copy (pinned: `ops.common.to_device`)
-    flat = _to(np.concatenate([local, slots, np.asarray(table).reshape(-1), token_seq]), device, torch.int32)
-    a, b, c = n + 1, 2 * n + 1, 2 * n + 1 + n * width
-    return VerifyPlan(n, offsets[first], local[-1], flat[:a], flat[a:b], flat[b:c].view(n, width), flat[c:],
+    qsl, slots_t, rows, seqs = pack_to_device([local, slots, np.asarray(table).reshape(-1), token_seq], device)
+    return VerifyPlan(n, offsets[first], local[-1], qsl, slots_t, rows.view(n, width), seqs,
                       _host=(local, state_rows, device, mamba_caches))

@@ -90,3 +90,25 @@ def test_host_copies_are_checked_on_creation():
         ForwardContext(**fields, query_start_loc_host=np.array([0, 1, 2, 6]))
     with pytest.raises(ValueError, match="no block table"):
         ForwardContext(**fields, query_start_loc_host=np.array([0, 1, 2, 6, 9])).attention_plan(1, 1, 4)
+
+
+def test_packed_metadata_views_are_16_byte_aligned():
+    """Triton specializes pointers on 16-byte alignment: the step's packed views must not change
+    alignment with the batch (each change compiled a kernel variant mid-serving)."""
+    from mambaserve.ops.common import pack_to_device
+
+    rng = np.random.default_rng(0)
+    for n in range(1, 9):
+        arrays = [rng.integers(-5, 100, size=int(k)) for k in rng.integers(0, 11, size=5)]
+        for dtype in (torch.int32, torch.int64):
+            views = pack_to_device(arrays, "cpu", dtype)
+            base = views[0].untyped_storage().data_ptr()
+            for a, v in zip(arrays, views):
+                assert v.dtype == dtype and v.tolist() == a.tolist()
+                assert (v.data_ptr() - base) % 16 == 0
+        ctx = ForwardContext.build(query_lens=[1] * n + [3], seq_lens=[5] * n + [3], state_indices=list(range(n + 1)),
+                                   has_initial_state=[True] * n + [False], block_tables=[[0]] * (n + 1), block_size=16,
+                                   device="cpu")
+        base = ctx.query_start_loc.untyped_storage().data_ptr()
+        for t in (ctx.query_start_loc, ctx.seq_lens, ctx.state_indices, ctx.block_table):
+            assert (t.data_ptr() - base) % 16 == 0

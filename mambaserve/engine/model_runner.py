@@ -28,7 +28,7 @@ from mambaserve.engine.stats import MemoryUsage
 from mambaserve.engine.step_input import StepInput, share_step
 from mambaserve.forward_context import ForwardContext
 from mambaserve.loader import DTYPES, load_config, load_model
-from mambaserve.ops.common import to_device
+from mambaserve.ops.common import pack_to_device, to_device
 
 logger = logging.getLogger("mambaserve")
 
@@ -352,7 +352,7 @@ class ModelRunner:
             padded = self.piecewise_graphs.padded_size(len(step.positions))
         ctx = self._context(step, pad_to=padded)
         if step.device_tokens is None:  # positions and ids in one copy
-            pos, input_ids = to_device(torch.tensor([step.positions, step.token_ids], dtype=torch.int64), self.device)
+            pos, input_ids = pack_to_device([step.positions, step.token_ids], self.device, torch.int64)
         else:
             pos = to_device(torch.tensor(step.positions, dtype=torch.int64), self.device)
             input_ids = tokens[: len(step.query_lens)] if step.token_rows is None else \

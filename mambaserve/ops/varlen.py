@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mambaserve.ops.common import to_device
+from mambaserve.ops.common import pack_to_device
 
 
 def check_offsets(offsets) -> np.ndarray:
@@ -41,14 +41,9 @@ def read_offsets(query_start_loc: torch.Tensor) -> np.ndarray:
 
 
 def _to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
-    """One host-to-device copy for several int32 arrays; returns views into it."""
-    flat = np.concatenate(arrays).astype(np.int32) if arrays else np.zeros(0, np.int32)
-    packed = to_device(torch.from_numpy(flat), device)
-    out, pos = [], 0
-    for a in arrays:
-        out.append(packed[pos:pos + a.size])
-        pos += a.size
-    return out
+    """One host-to-device copy for several int32 arrays; returns 16-byte aligned views into it
+    (`ops.common.pack_to_device`)."""
+    return pack_to_device(arrays, device)
 
 
 @dataclass(frozen=True)
