@@ -137,6 +137,9 @@ class ForwardContext:
     verify: VerifyPlan | None = None
     # the plans, built on first use and kept for the step (keyed by what each depends on)
     _prefill: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
+    # the prefill part's device fields, copied with the step's own (16-byte aligned, unlike
+    # slices after num_decodes entries: `ops.common.pack_to_device`), when `build` made them
+    _prefill_fields: tuple | None = field(default=None, repr=False, compare=False)
     _main: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
     # conv blocks by `conv1d._override_version` (a config override may change their block size)
     _conv_blocks: dict[int, TokenBlocks] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -173,11 +176,16 @@ class ForwardContext:
         every layer shares it and the plans built in it."""
         if self._prefill is None:
             nd = self.num_decodes  # one row each
+            if self._prefill_fields is not None:
+                qsl, lens, indices, has_init, table, slots = self._prefill_fields
+            else:
+                qsl, lens, indices, has_init = (self.query_start_loc[nd:] - nd, self.seq_lens[nd:],
+                                                self.state_indices[nd:], self.has_initial_state[nd:])
+                table = None if self.block_table is None else self.block_table[nd:]
+                slots = None if self.slot_mapping is None else self.slot_mapping[nd:]
             self._prefill = ForwardContext(
-                query_start_loc=self.query_start_loc[nd:] - nd, seq_lens=self.seq_lens[nd:],
-                state_indices=self.state_indices[nd:], has_initial_state=self.has_initial_state[nd:],
-                block_table=None if self.block_table is None else self.block_table[nd:],
-                slot_mapping=None if self.slot_mapping is None else self.slot_mapping[nd:],
+                query_start_loc=qsl, seq_lens=lens, state_indices=indices, has_initial_state=has_init,
+                block_table=table, slot_mapping=slots,
                 num_decodes=0, num_tokens=self.num_tokens - nd, max_query_len=self.max_query_len,
                 max_seq_len=self.max_seq_len, query_start_loc_host=self.query_start_loc_host[nd:] - nd,
                 seq_lens_host=self.seq_lens_host[nd:], mamba_caches=self.mamba_caches, kv_caches=self.kv_caches,
@@ -302,10 +310,22 @@ class ForwardContext:
                 parts.append(np.full(pad_to - offsets[-1], -1, dtype=np.int64))
             slots = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
             ints.append(np.asarray(table, dtype=np.int64).reshape(-1))
-            slot_mapping = to_device(torch.from_numpy(slots), device)
-        qsl, lens, indices, has_init, *table_flat = pack_to_device(ints, device)  # aligned views
+        # a step of decodes and prefills: the prefill part's fields too (`prefill_part`)
+        nd = num_decodes if 0 < num_decodes < n else 0
+        if nd:
+            ints += [np.asarray(offsets[nd:]) - nd, *(a[nd:] for a in ints[1:4])]
+            if block_tables is not None:
+                ints.append(np.asarray(table[nd:], dtype=np.int64).reshape(-1))
+        packed = pack_to_device(ints, device)  # one copy, aligned views
+        qsl, lens, indices, has_init = packed[:4]
         if block_tables is not None:
-            block_table = table_flat[0].view(n, width)
+            block_table = packed[4].view(n, width)
+            slot_mapping, *prefill_slots = pack_to_device([slots, slots[nd:]] if nd else [slots], device, torch.int64)
+        prefill_fields = None
+        if nd:
+            p = packed[5 if block_tables is not None else 4:]
+            prefill_fields = (p[0], p[1], p[2], p[3].bool(), p[4].view(n - nd, width) if block_tables is not None
+                              else None, prefill_slots[0] if block_tables is not None else None)
         verify = None
         if verify_state_rows:
             verify = _verify_plan(verify_state_rows, offsets, query_lens, state_indices, device, mamba_caches)
@@ -327,6 +347,7 @@ class ForwardContext:
             state_saves=StateSaves(*map(tuple, zip(*[(i, o, r, offsets[i]) for i, o, r in state_saves])))
             if state_saves else NO_SAVES,
             verify=verify,
+            _prefill_fields=prefill_fields,
         )
 
 

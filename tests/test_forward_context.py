@@ -112,3 +112,21 @@ def test_packed_metadata_views_are_16_byte_aligned():
         base = ctx.query_start_loc.untyped_storage().data_ptr()
         for t in (ctx.query_start_loc, ctx.seq_lens, ctx.state_indices, ctx.block_table):
             assert (t.data_ptr() - base) % 16 == 0
+
+
+@pytest.mark.parametrize("nd", [1, 2, 3, 5])
+def test_prefill_part_fields_are_aligned_copies_of_the_slices(nd):
+    qlens = [1] * nd + [4, 7]
+    ctx = ForwardContext.build(query_lens=qlens, seq_lens=[9] * nd + [4, 12], state_indices=list(range(10, 12 + nd)),
+                               has_initial_state=[True] * nd + [False, True], block_tables=[[3, 4]] * (nd + 2),
+                               block_size=8, device="cpu", pad_to=sum(qlens) + 3)
+    part = ctx.prefill_part()
+    base = ctx.query_start_loc.untyped_storage().data_ptr()
+    assert part.query_start_loc.tolist() == (ctx.query_start_loc[nd:] - nd).tolist() == [0, 4, 11]
+    for got, want in ((part.seq_lens, ctx.seq_lens[nd:]), (part.state_indices, ctx.state_indices[nd:]),
+                      (part.has_initial_state, ctx.has_initial_state[nd:]), (part.block_table, ctx.block_table[nd:]),
+                      (part.slot_mapping, ctx.slot_mapping[nd:])):
+        assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    for t in (part.query_start_loc, part.seq_lens, part.state_indices, part.block_table):
+        assert (t.data_ptr() - base) % 16 == 0
+    assert part.slot_mapping.data_ptr() % 16 == 0
