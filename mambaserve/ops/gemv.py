@@ -160,10 +160,7 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         if scaled:  # the reference multiplies the dequantized weight
             weight = weight.float() * weight_scale.float()[:, None]
         return reference.linear_partials(x, weight)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
+    x, weight = _unit_k_stride(x, weight)
     num_tokens, K = x.shape
     N = weight.shape[0]
     on_gpu = x.is_cuda
@@ -176,6 +173,11 @@ def linear_partials(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
             weight.stride(0), 1, out.stride(0), out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, K_CHUNKS=1,
             SCALED=scaled, HAS_BIAS=False, num_warps=4)
     return out
+
+
+def _unit_k_stride(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) and weight (N, K) with stride 1 along K, as the GEMV kernels load them."""
+    return (x if x.stride(1) == 1 else x.contiguous()), (weight if weight.stride(1) == 1 else weight.contiguous())
 
 
 @functools.cache
@@ -218,10 +220,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, 
     summed in float32, times the scale, plus the bias: one launch where one split suffices
     (`gemv_plan`), else the splits' partials and one launch that sums them."""
     assert x.dim() == 2 and x.shape[0] <= MAX_TOKENS and weight.dtype == torch.float8_e4m3fn
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if weight.stride(1) != 1:
-        weight = weight.contiguous()
+    x, weight = _unit_k_stride(x, weight)
     M, K = x.shape
     N = weight.shape[0]
     ws = weight_scale.reshape(-1)
