@@ -17,7 +17,7 @@ then holds an exact state: the verify forward never writes the slot.
 
 No drafts for a sequence with penalties, min_tokens still to reach, a structured output or
 fewer than two tokens to go: its verify rows' distributions would depend on the drafts
-before them. Such sequences decode one token a step as before.
+before them. Such sequences decode one token a step as before (logged once per reason).
 
 Async scheduling does not chain decode steps while speculative decoding is on: drafts are
 proposed from the host's tokens, which a chained step runs ahead of.
@@ -25,6 +25,7 @@ proposed from the host's tokens, which a chained step runs ahead of.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -34,6 +35,8 @@ from mambaserve.engine.rejection_sampler import verify_drafts
 from mambaserve.engine.scheduler import Scheduler, SchedulerOutput
 from mambaserve.engine.sequence import Sequence, SequenceStatus
 from mambaserve.engine.stats import SpecDecodeStats
+
+logger = logging.getLogger("mambaserve")
 
 
 class NgramProposer:
@@ -90,12 +93,20 @@ class SpecDecoder:
             accept_fraction = float(os.environ[FORCE_ACCEPT_ENV])
         self.forced = None if accept_fraction is None else ForcedAcceptance(accept_fraction)
         self._pending: list[tuple[Sequence, int, int]] = []  # (sequence, its slot, state row to load)
+        self._told: set[str] = set()  # reasons for no drafts already logged
 
     def max_drafts(self, seq: Sequence) -> int:
         """How many drafts seq may verify in its next step (0: none; module docstring)."""
         p = seq.sampling_params
-        if (seq.num_uncomputed_tokens != 1 or p.has_penalties or seq.num_output_tokens < p.min_tokens
-                or self.constrains([seq])):
+        if seq.num_uncomputed_tokens != 1:
+            return 0
+        why = "penalties" if p.has_penalties else "min_tokens" if seq.num_output_tokens < p.min_tokens else \
+            "a structured output" if self.constrains([seq]) else None
+        if why is not None:
+            if why not in self._told:  # once per engine and reason: the request is served, not sped up
+                self._told.add(why)
+                logger.info("speculative decoding proposes no drafts for requests with %s (request %s); they "
+                            "decode one token a step", why, seq.request_id)
             return 0
         return max(0, min(self.k, (p.max_tokens or self.max_model_len) - seq.num_output_tokens - 1,
                           self.max_model_len - seq.num_tokens - 1))

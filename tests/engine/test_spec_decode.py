@@ -408,3 +408,19 @@ def test_prompt_tokens_and_step_kinds_not_skewed_by_drafts():
     assert usage.generation_tokens == sum(map(len, refs))
     kinds = {k.split("/")[1] for k in usage.step_breakdown}
     assert "decode" in kinds
+
+
+def test_requests_without_drafts_are_told_once(caplog):
+    """A request speculation cannot speed up (penalties, min_tokens) is served as before, and
+    the log says once per reason why it got no drafts (nothing about it is ignored silently)."""
+    name = "bamba"
+    prompts = spec_prompts(name)[:2]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, presence_penalty=0.5)
+    refs = run(make(name), prompts, params)
+    llm = make(name, speculative_config=ngram(2))
+    with caplog.at_level("INFO", logger="mambaserve"):
+        assert run(llm, prompts, params) == refs
+        assert llm.llm_engine.spec.stats.num_drafts == 0
+        run(llm, prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, min_tokens=4))
+    told = [r.getMessage() for r in caplog.records if "proposes no drafts" in r.getMessage()]
+    assert len(told) == 2 and "penalties" in told[0] and "min_tokens" in told[1], told
