@@ -141,7 +141,7 @@ class ForwardContext:
     # slices after num_decodes entries: `ops.common.pack_to_device`), when `build` made them
     _prefill_fields: tuple | None = field(default=None, repr=False, compare=False)
     _main: ForwardContext | None = field(default=None, init=False, repr=False, compare=False)
-    # conv blocks by `conv1d._override_version` (a config override may change their block size)
+    # conv blocks by `conv1d.config_version()` (a config override may change their block size)
     _conv_blocks: dict[int, TokenBlocks] = field(default_factory=dict, init=False, repr=False, compare=False)
     _ssd_chunks: dict[int, SsdChunks] = field(default_factory=dict, init=False, repr=False, compare=False)
     _attention_plans: dict[tuple[int, int, int], AttentionPlan] = field(
@@ -214,7 +214,7 @@ class ForwardContext:
         """The token blocks of `ops.causal_conv1d` for this batch and its state saves (of the
         block size its launch config takes for this many tokens on this device), built on
         first use; later calls look nothing up unless a config override changed since."""
-        version = conv1d._override_version[0]
+        version = conv1d.config_version()
         blocks = self._conv_blocks.get(version)
         if blocks is None:
             # the launcher looks its config up by the planned tokens (query_start_loc[-1]), which
@@ -316,16 +316,16 @@ class ForwardContext:
             ints += [np.asarray(offsets[nd:]) - nd, *(a[nd:] for a in ints[1:4])]
             if block_tables is not None:
                 ints.append(np.asarray(table[nd:], dtype=np.int64).reshape(-1))
-        packed = pack_to_device(ints, device)  # one copy, aligned views
-        qsl, lens, indices, has_init = packed[:4]
+        qsl, lens, indices, has_init, *rest = pack_to_device(ints, device)  # one copy, aligned views
+        prefill_table = prefill_slots = None
         if block_tables is not None:
-            block_table = packed[4].view(n, width)
-            slot_mapping, *prefill_slots = pack_to_device([slots, slots[nd:]] if nd else [slots], device, torch.int64)
+            block_table = rest.pop(0).view(n, width)
+            slot_mapping, *more = pack_to_device([slots, slots[nd:]] if nd else [slots], device, torch.int64)
+            if nd:
+                prefill_table, prefill_slots = rest.pop().view(n - nd, width), more[0]
         prefill_fields = None
         if nd:
-            p = packed[5 if block_tables is not None else 4:]
-            prefill_fields = (p[0], p[1], p[2], p[3].bool(), p[4].view(n - nd, width) if block_tables is not None
-                              else None, prefill_slots[0] if block_tables is not None else None)
+            prefill_fields = (rest[0], rest[1], rest[2], rest[3].bool(), prefill_table, prefill_slots)
         verify = None
         if verify_state_rows:
             verify = _verify_plan(verify_state_rows, offsets, query_lens, state_indices, device, mamba_caches)

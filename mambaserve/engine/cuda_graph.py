@@ -106,8 +106,8 @@ class DecodeGraphRunner(CapturedSizes):
         self.block_table = torch.zeros(n, self.max_blocks if has_attention else 1, **i32)
         if self.verify_rows is not None:  # (n, q): row j of sequence i keeps the state after its position j
             base, stride = self.verify_rows
-            rows = base + stride * np.arange(n)[:, None] + np.arange(q)[None, :]
-            self.state_rows = torch.as_tensor(rows, **i32)
+            self._state_rows_host = base + stride * np.arange(n)[:, None] + np.arange(q)[None, :]
+            self.state_rows = torch.as_tensor(self._state_rows_host, **i32)
             self.token_seq = torch.as_tensor(np.repeat(np.arange(n), q), **i32)
         self.caches = caches
         self.graphs: dict[int, torch.cuda.CUDAGraph | None] = {}
@@ -121,7 +121,7 @@ class DecodeGraphRunner(CapturedSizes):
             offsets = list(range(0, rows + 1, q))
             verify = VerifyPlan(bs, 0, rows, self.query_start_loc[: bs + 1], self.state_indices[:bs],
                                 self.state_rows[:bs], self.token_seq[:rows],
-                                _host=(offsets, self.state_rows[:bs].tolist(), self.device, self.caches.mamba))
+                                _host=(offsets, self._state_rows_host[:bs].tolist(), self.device, self.caches.mamba))
         return ForwardContext(
             query_start_loc=self.query_start_loc[: bs + 1], seq_lens=self.seq_lens[:bs],
             state_indices=self.state_indices[:bs], has_initial_state=self.has_initial_state[:bs],

@@ -68,18 +68,22 @@ def to_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+_NUMPY_INTS = {torch.int32: np.int32, torch.int64: np.int64}  # what `pack_to_device` packs
+
+
 def pack_to_device(arrays: list, device, dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
     """Several small host arrays (lists or numpy) in one host-to-device copy (`to_device`);
     returns a view of the copy per array, each starting on a 16-byte boundary (pieces padded).
     Why aligned: Triton specializes a pointer argument on 16-byte alignment, so views at
     offsets that vary with the batch (a packed table's second array after n + 1 entries)
     would compile a new kernel variant in the middle of serving whenever the remainder
-    changes (3 s each for some of ours on an H200)."""
-    per = 16 // torch.empty(0, dtype=dtype).element_size()
+    changes (3 s each for some of ours on an H200). dtype: torch.int32 or torch.int64."""
+    np_dtype = _NUMPY_INTS[dtype]
+    per = 16 // np_dtype().itemsize
     pieces = [np.asarray(a).reshape(-1) for a in arrays]
     sizes = [p.size for p in pieces]
     starts = np.concatenate([[0], np.cumsum([-(-n // per) * per for n in sizes])]).astype(np.int64)
-    flat = np.zeros(int(starts[-1]), dtype=torch.empty(0, dtype=dtype).numpy().dtype)
+    flat = np.zeros(int(starts[-1]), dtype=np_dtype)
     for p, s in zip(pieces, starts):
         flat[s : s + p.size] = p
     packed = to_device(torch.from_numpy(flat), device)

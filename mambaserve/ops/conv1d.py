@@ -73,6 +73,12 @@ MAX_ROLL_WIDTH = 4  # the roll kernels' weight split and unrolled taps are writt
 _override = {}  # set by `config_override` (tests, the tuning sweep)
 _override_version = [0]  # bumped by every `config_override`: plans key their cached configs by it
 
+
+def config_version() -> int:
+    """A number that changes whenever a `config_override` starts or ends: step plans that
+    cache a launch config (or a block size chosen from one) key it by this."""
+    return _override_version[0]
+
 # What benchmarks/tune_conv1d.py times on a GPU (the interpreter tests and the sm_90 compile
 # check run every one); a table entry may hold only these.
 VARLEN_CANDIDATES = [
@@ -588,7 +594,7 @@ def causal_conv1d(
     check(blocks.saves is state_saves or blocks.saves == state_saves,
           "the conv token blocks were planned for other state saves")
     # the config and its checks, once per plan, dim and width (every layer of a step shares them)
-    key = (dim, width, _override_version[0])
+    key = (dim, width, config_version())
     cfg = blocks.launch.get(key)
     if cfg is None:
         cfg = varlen_config(table_for(x.device), blocks.num_tokens, dim, width)

@@ -40,12 +40,6 @@ def read_offsets(query_start_loc: torch.Tensor) -> np.ndarray:
     return check_offsets(query_start_loc.tolist())
 
 
-def _to_device(arrays: list[np.ndarray], device) -> list[torch.Tensor]:
-    """One host-to-device copy for several int32 arrays; returns 16-byte aligned views into it
-    (`ops.common.pack_to_device`)."""
-    return pack_to_device(arrays, device)
-
-
 @dataclass(frozen=True)
 class StateSaves:
     """State checkpoints a prefill writes at positions inside its sequences (prefix caching):
@@ -134,11 +128,11 @@ def conv_token_blocks(query_start_loc_host: np.ndarray, block_t: int, device,
     first = np.cumsum(nblocks) - nblocks
     start = (np.arange(seq.size) - np.repeat(first, nblocks)) * block_t
     if saves is None or not len(saves):
-        block_seq, block_start = _to_device([seq, start], device)
+        block_seq, block_start = pack_to_device([seq, start], device)
         return TokenBlocks(block_t, int(lens.size), int(seq.size), int(qsl[-1]), block_seq, block_start)
     saves.check(qsl)
     nb = seq.size
-    block_seq, block_start, save_row = _to_device(
+    block_seq, block_start, save_row = pack_to_device(
         [np.concatenate([seq, saves.seq]), np.concatenate([start, saves.offset]), np.asarray(saves.row)], device)
     return TokenBlocks(block_t, int(lens.size), int(nb), int(qsl[-1]), block_seq, block_start, saves, save_row)
 
@@ -178,7 +172,7 @@ def ssd_chunks(query_start_loc_host: np.ndarray, chunk_size: int, device, saves:
         k = np.arange(seq.size) - first[:-1][seq]  # chunk index inside its sequence
         c_start = starts[seq] + k * chunk_size
         c_end = np.minimum(c_start + chunk_size, ends[seq])
-        c_start_t, c_end_t, seq_chunk = _to_device([c_start, c_end, first], device)
+        c_start_t, c_end_t, seq_chunk = pack_to_device([c_start, c_end, first], device)
         return SsdChunks(chunk_size, int(starts.size), int(seq.size), int(qsl[-1]), c_start_t, c_end_t, seq_chunk)
     saves.check(qsl)
     cuts: dict[int, list[tuple[int, int]]] = {}
@@ -195,6 +189,6 @@ def ssd_chunks(query_start_loc_host: np.ndarray, chunk_size: int, device, saves:
                 rows.append(r if c == s + o else -1)
         first.append(len(c_start))
     arrays = [np.asarray(a, dtype=np.int64) for a in (c_start, c_end, first, rows)]
-    c_start_t, c_end_t, seq_chunk, save_row = _to_device(arrays, device)
+    c_start_t, c_end_t, seq_chunk, save_row = pack_to_device(arrays, device)
     return SsdChunks(chunk_size, int(starts.size), len(c_start), int(qsl[-1]), c_start_t, c_end_t, seq_chunk,
                      saves, save_row)
