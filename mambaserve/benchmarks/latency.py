@@ -2,7 +2,9 @@
 
 A batch of `--batch-size` random-token prompts of `--input-len` tokens, each generating exactly
 `--output-len` tokens (EOS ignored), is run through `LLM.generate` `--num-iters-warmup` times
-untimed, then `--num-iters` times timed. Besides the end-to-end latencies and their
+untimed, then `--num-iters` times timed. Each iteration draws new prompts (seeded): with the
+same prompts every time, prefix caching (on by default) would serve every repeat from its
+cache and the prefill figures would time a cache hit, not the prompt. Besides the end-to-end latencies and their
 percentiles it reports, from the same timed runs, the prefill time (from the start of the batch
 until every request has its first token) and the decode time per output token (the rest of
 the batch divided by output_len - 1, i.e. one decode step of the whole batch).
@@ -55,7 +57,8 @@ def time_batch(llm, prompts: list[list[int]], params) -> dict:
     n_out = params.max_tokens
     decode = (latency - prefill) / (n_out - 1) if n_out > 1 else 0.0
     return {"latency": latency, "prefill_time": prefill, "decode_time_per_token": decode,
-            "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs)}
+            "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
+            "cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
 
 
 def measure_latency(llm, input_len: int, output_len: int, batch_size: int, num_iters_warmup: int,
@@ -74,7 +77,6 @@ def measure_latency(llm, input_len: int, output_len: int, batch_size: int, num_i
         raise ValueError(f"--num-iters-warmup must be >= 0, got {num_iters_warmup}")
     rng = np.random.default_rng(seed)
     vocab = llm.llm_engine.vocab_size
-    prompts = [random_token_ids(rng, input_len, vocab) for _ in range(batch_size)]
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
     runs = []
     for phase, n in (("Warmup iterations", num_iters_warmup), ("Profiling iterations", num_iters)):
@@ -83,12 +85,15 @@ def measure_latency(llm, input_len: int, output_len: int, batch_size: int, num_i
             from tqdm.auto import tqdm
 
             it = tqdm(it, desc=phase, dynamic_ncols=True)
-        timed = [time_batch(llm, prompts, params) for _ in it]
+        timed = [time_batch(llm, [random_token_ids(rng, input_len, vocab) for _ in range(batch_size)], params)
+                 for _ in it]
         if phase.startswith("Profiling"):
             runs = timed
-    return latency_record([r["latency"] for r in runs], [r["prefill_time"] for r in runs],
-                          [r["decode_time_per_token"] for r in runs], [r["output_tokens"] for r in runs],
-                          input_len=input_len, output_len=output_len, batch_size=batch_size)
+    rec = latency_record([r["latency"] for r in runs], [r["prefill_time"] for r in runs],
+                         [r["decode_time_per_token"] for r in runs], [r["output_tokens"] for r in runs],
+                         input_len=input_len, output_len=output_len, batch_size=batch_size)
+    rec["cached_tokens"] = [r["cached_tokens"] for r in runs]  # prompt tokens served by prefix caching: 0 unless ids repeat
+    return rec
 
 
 def latency_record(latencies, prefill_times, decode_times, output_tokens, *, input_len, output_len, batch_size) -> dict:

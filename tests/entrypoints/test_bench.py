@@ -146,6 +146,16 @@ def test_sharegpt_file_first_human_turn_and_gpt_reply(tmp_path):
 
 
 # ------------------------------------------------------------------ latency / throughput
+def test_bench_latency_prompts_never_hit_the_prefix_cache(tmp_path):
+    """Prefix caching is on by default: iterations that repeated their prompts would time a cache
+    hit (a checkpoint every 256 tokens), not the prompt."""
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", *engine_flags(), "--input-len", "300", "--output-len", "2", "--batch-size", "1",
+                 "--num-iters-warmup", "1", "--num-iters", "2", "--enable-prefix-caching",
+                 "--output-json", str(out)]) == 0
+    assert read(out)["cached_tokens"] == [0, 0]
+
+
 def test_bench_latency(tmp_path, capsys):
     out = tmp_path / "latency.json"
     rc = main(["bench", "latency", *engine_flags(), "--input-len", "5", "--output-len", "3", "--batch-size", "2",
