@@ -496,6 +496,16 @@ def _tile_map(offs: torch.Tensor, num_rows: int, block_m: int):
     return tile_expert, (tiles_end - tiles).to(torch.int32), max_tiles
 
 
+def grouped_gemm_config(avg_rows: float, gated: bool, on_gpu: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `_grouped_gemm` for avg_rows
+    routed rows per expert: row tiles no taller than an expert's rows, so that few rows are
+    masked off while every weight tile is still read once per row tile."""
+    if not on_gpu:
+        return 16, 32, 32, 4, 1
+    block_m = 16 if avg_rows <= 16 else 32 if avg_rows <= 32 else 64 if avg_rows <= 64 else 128
+    return block_m, 64 if gated else 128, 64, 8 if block_m >= 64 else 4, 3
+
+
 def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype, b_scale=None):
     """Triton grouped GEMM: (num_rows, N) = A[rows] @ B[e]^T by expert slices of offs.
 
@@ -507,14 +517,7 @@ def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype, b_scale=None):
     N = b.shape[1] // 2 if gated else b.shape[1]
     out = torch.empty(num_rows, N, dtype=out_dtype, device=a.device)
     on_gpu = a.is_cuda
-    avg = num_rows / max(1, b.shape[0])
-    if on_gpu:
-        block_m = 16 if avg <= 16 else 32 if avg <= 32 else 64 if avg <= 64 else 128
-        block_n = 64 if gated else 128
-        block_k = 64
-        num_warps = 8 if block_m >= 64 else 4
-    else:
-        block_m, block_n, block_k, num_warps = 16, 32, 32, 4
+    block_m, block_n, block_k, num_warps, num_stages = grouped_gemm_config(num_rows / max(1, b.shape[0]), gated, on_gpu)
     tile_expert, tile_first, max_tiles = _tile_map(offs, num_rows, block_m)
     num_n_tiles = triton.cdiv(N, block_n)
     _grouped_gemm_kernel[(max_tiles * num_n_tiles,)](
@@ -527,7 +530,7 @@ def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype, b_scale=None):
         DOT_PREC="ieee" if a.dtype == torch.float32 else "tf32",
         # Triton's interpreter multiplies bfloat16 tiles as raw uint16 (triton 3.9).
         DOT_F32=not on_gpu,
-        num_warps=num_warps, num_stages=3 if on_gpu else 1,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
