@@ -26,6 +26,7 @@ from mambaserve.engine.scheduler import ScheduledSequence
 from mambaserve.engine.sequence import Sequence
 from mambaserve.engine.stats import MemoryUsage
 from mambaserve.engine.step_input import StepInput, share_step
+from mambaserve.engine.warm_up import warm_up_attention
 from mambaserve.forward_context import ForwardContext
 from mambaserve.loader import DTYPES, load_config, load_model
 from mambaserve.ops.common import pack_to_device, to_device
@@ -62,12 +63,11 @@ class StepLogits:
 class ModelRunner:
     """Owns the model and its caches on one device and runs one forward per step.
 
-    Built from an EngineConfig: loads the model, sizes the state slots and KV blocks to the
-    memory budget (GPU: gpu_memory_utilization of the device, minus weights and a profiled
-    forward; CPU: cpu_cache_bytes), allocates them, and captures CUDA graphs per the
-    compilation mode. `execute(scheduled)` runs a step (decode graphs, piecewise graphs or
-    eagerly) and returns the logits the sampler needs. Raises ValueError when not even one
-    request of max_model_len fits.
+    From an EngineConfig: loads the model, sizes state slots and KV blocks to the budget (GPU:
+    gpu_memory_utilization minus weights and a profiled forward; CPU: cpu_cache_bytes), captures
+    CUDA graphs per the compilation mode and compiles the attention variants (`warm_up`).
+    `execute(scheduled)` runs a step (decode graphs, piecewise graphs or eagerly) and returns
+    the logits the sampler needs. Raises ValueError when not even one max_model_len request fits.
 
     Under tensor parallelism (`group` of several ranks) every rank has a runner over its shard
     of the model and of the caches (cuda:local_rank on GPUs), sized alike: the pools take the
@@ -112,11 +112,9 @@ class ModelRunner:
         self._size_caches()
         self.max_num_verify_seqs = min(self.max_num_verify_seqs, self.max_num_seqs)
         self.verify_base = self.num_slots + self.num_checkpoints
-        # the checkpoint rows of prefix caching follow the slots in the same state tensors, the
-        # verify rows of speculative decoding follow them
-        self.caches = allocate_caches(self.spec, num_slots=self.verify_base + self.num_verify_rows,
-                                      num_blocks=max(self.num_blocks, 1),
-                                      block_size=self.block_size, device=self.device)
+        # state rows: the slots, then prefix caching's checkpoints, then speculation's verify rows
+        self.caches = allocate_caches(self.spec, num_slots=self.verify_base + self.num_verify_rows, device=self.device,
+                                      num_blocks=max(self.num_blocks, 1), block_size=self.block_size)
         self.compilation_mode = config.resolved_compilation_mode()
         self.decode_graphs, self.piecewise_graphs, self.verify_graphs = None, None, {}  # verify: by tokens a row
         t0 = time.perf_counter()
@@ -125,6 +123,8 @@ class ModelRunner:
         if self.compilation_mode == "full_and_piecewise":
             self._capture_decode_graphs()
         self.graph_capture_seconds = time.perf_counter() - t0 if self.compilation_mode != "eager" else None
+        if self.device.type == "cuda":
+            warm_up_attention(self)
 
     @property
     def num_verify_rows(self) -> int:

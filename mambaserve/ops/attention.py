@@ -338,6 +338,35 @@ class AttentionPlan:
     max_blocks: int
 
 
+def _block_r(max_q: int, group_size: int) -> int:
+    """Rows per tile: enough for the longest query block, at least 16 (matrix-unit minimum)
+    and G (one token), at most 128 (register budget of the fp32 accumulator)."""
+    return max(min(max(next_power_of_2(max_q * group_size), 16), 128), next_power_of_2(group_size))
+
+
+def variant_batches(group_size: int, max_query_len: int, max_seq_len: int) -> list[tuple[int, int]]:
+    """(query_len, seq_len) of one-sequence batches whose plans reach every kernel variant
+    (BLOCK_R, SPLIT) that `plan_paged_attention` can choose for batches of at most
+    max_query_len new tokens a sequence and max_seq_len context. Each variant is a separate
+    Triton compile (about 1 s on an H200); attention runs outside the piecewise CUDA graphs,
+    so a variant first met by a request (a few tokens resumed after a long cached prefix:
+    short tiles, split context) compiled in the middle of that request. The engine runs these
+    batches once at start-up instead."""
+    out, seen = [], set()
+    for q in range(1, max(1, max_query_len) + 1):
+        block_r = _block_r(q, group_size)
+        if block_r in seen:
+            continue
+        seen.add(block_r)
+        out.append((q, q))  # no prefix: the context fits one split
+        long = min(max_seq_len, q + 2 * _MIN_TOKENS_PER_SPLIT)
+        if long > q:
+            out.append((q, long))  # one tile of new tokens after a long prefix: the context is split
+        if block_r == max(128, next_power_of_2(group_size)):  # the widest tile: no more variants
+            break
+    return out
+
+
 def plan_paged_attention(query_start_loc_host: np.ndarray, seq_lens_host: np.ndarray, *, group_size: int,
                          num_kv_heads: int, block_size: int, table_width: int, device,
                          num_splits: int | None = None) -> AttentionPlan:
@@ -365,10 +394,7 @@ def plan_paged_attention(query_start_loc_host: np.ndarray, seq_lens_host: np.nda
         raise ValueError(f"block_table has {table_width} columns, a sequence needs {max_blocks}")
     G = group_size
     max_q = max(q_lens, default=0)
-    # Rows per tile: enough for the longest query block, at least 16 (matrix-unit minimum)
-    # and G (one token), at most 128 (register budget of the fp32 accumulator).
-    block_r = min(max(next_power_of_2(max_q * G), 16), 128)
-    block_r = max(block_r, next_power_of_2(G))
+    block_r = _block_r(max_q, G)
     tokens = block_r // G
     items = []
     for i, n in enumerate(q_lens):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mambaserve import LLM, SamplingParams
+from mambaserve.engine.warm_up import warm_up_attention
 from tests.engine.engines import assert_pools_empty, make, prompts_for, run
 from tests.models.tiny import checkpoint, hf_model, skip_unless_transformers_per_group
 
@@ -641,3 +642,22 @@ def test_sampling_params_changed_after_submission_do_not_reach_the_request(alone
     done = drive(e, {})
     assert done["a"] == [ref[3]] and len(done["b"][0]) <= 2
     assert_pools_empty(llm)
+
+
+# ---------------------------------------------------------------- start-up warm-up
+@pytest.mark.parametrize("name", ["granite-moe", "zamba2"])
+def test_attention_warm_up_leaves_nothing_a_request_sees(name):
+    """Reports: the second identical request slower than the first (prefix caching). A prompt
+    resumed from a long cached prefix met a new attention kernel variant (short tiles, split
+    context) and compiled it in its step; the GPU engine now runs those variants at start-up
+    (`engine.warm_up.warm_up_attention`), in the scratch slot and blocks of the empty pool. Outputs
+    after it, with caching on and a repeated prompt, are those of an engine without it."""
+    prompts = prompts_for(name, lens=(30, 9, 30))
+    plain = make(name, enable_prefix_caching=True, mamba_block_size=8, block_size=4)
+    warmed = make(name, enable_prefix_caching=True, mamba_block_size=8, block_size=4)
+    runner = warmed.llm_engine.runner
+    batches = warm_up_attention(runner)
+    assert batches and any(n > q for q, n in batches)  # a split-context batch among them
+    assert all(n <= runner.max_model_len for _, n in batches)
+    assert run(warmed, prompts) == run(plain, prompts)
+    assert_pools_empty(warmed)

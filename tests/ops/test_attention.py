@@ -7,12 +7,13 @@ and several blocks, with permuted block tables and random (never zero) cache con
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from mambaserve import ops
 from mambaserve.ops import reference
-from mambaserve.ops.attention import plan_paged_attention
+from mambaserve.ops.attention import plan_paged_attention, variant_batches
 from mambaserve.ops.varlen import check_offsets
 from tests.conftest import HAS_CUDA, nan_empty, rel_err, tolerance
 
@@ -228,3 +229,27 @@ def test_paged_attention_float32_gpu_is_not_tf32():
     out = paged_attention_triton(q, kc, vc, bt, sl, qsl, 0.125)
     ref = reference.paged_attention(q.double(), kc.double(), vc.double(), bt, sl, qsl, 0.125)
     assert rel_err(out, ref) < tolerance(torch.float32)
+
+
+def _variant(q, seq_len, G, kv_heads):
+    """(BLOCK_R, SPLIT) of the plan of one sequence of q new tokens at context seq_len."""
+    plan = plan_paged_attention(check_offsets([0, q]), np.array([seq_len]), group_size=G, num_kv_heads=kv_heads,
+                                block_size=16, table_width=-(-seq_len // 16), device="cpu")
+    return plan.block_r, plan.num_splits > 1
+
+
+@pytest.mark.parametrize("G", [1, 2, 3, 4, 6, 8, 16, 48, 200])
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_variant_batches_reach_every_kernel_variant(G, kv_heads):
+    """The warm-up batches reach every (BLOCK_R, SPLIT) a batch within the limits can: found by
+    brute force over one-sequence batches (a batch of several has the same tile height as its
+    longest member alone and more programs, so no variant of its own)."""
+    max_q, max_len = 150, 700
+    reachable = {_variant(q, n, G, kv_heads) for q in range(1, max_q + 1) for n in range(q, max_len + 1, 11)}
+    batches = variant_batches(G, max_q, max_len)
+    assert all(1 <= q <= max_q and q <= n <= max_len for q, n in batches)
+    assert {_variant(q, n, G, kv_heads) for q, n in batches} == reachable
+    assert len(batches) == len(set(batches))
+    short = variant_batches(G, 3, 100)  # short limits: fewer variants, never past them
+    assert {_variant(q, n, G, kv_heads) for q, n in short} == {
+        _variant(q, n, G, kv_heads) for q in range(1, 4) for n in range(q, 101)}
