@@ -92,7 +92,7 @@ def measure_latency(llm, input_len: int, output_len: int, batch_size: int, num_i
     rec = latency_record([r["latency"] for r in runs], [r["prefill_time"] for r in runs],
                          [r["decode_time_per_token"] for r in runs], [r["output_tokens"] for r in runs],
                          input_len=input_len, output_len=output_len, batch_size=batch_size)
-    rec["cached_tokens"] = [r["cached_tokens"] for r in runs]  # prompt tokens served by prefix caching: 0 unless ids repeat
+    rec["cached_tokens"] = [r["cached_tokens"] for r in runs]  # served by prefix caching: 0 unless ids repeat
     return rec
 
 

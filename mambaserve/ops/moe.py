@@ -429,6 +429,10 @@ def _router_counters(device: torch.device) -> torch.Tensor | None:
 # Up to this many routed (token, expert) pairs, the direct kernels beat sorting and grouping:
 # each pair reads its expert's weights once, and there are no routing launches.
 DIRECT_MAX_PAIRS = 32
+# torch._grouped_mm only from this many routed rows per expert on average: below it our grouped
+# GEMM is faster on an H200 (granite-4.0-h-small: 213 vs 274 us at 4 tokens, 463 vs 519 at 256;
+# at 1,024 tokens, 142 rows per expert, 798 vs 688)
+GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
 
 
 def _direct_config(on_gpu: bool) -> tuple[int, int, int, int]:
@@ -502,8 +506,14 @@ def grouped_gemm_config(avg_rows: float, gated: bool, on_gpu: bool) -> tuple[int
     masked off while every weight tile is still read once per row tile."""
     if not on_gpu:
         return 16, 32, 32, 4, 1
+    # H200 sweep (benchmarks/results/h200/kernels/moe-grouped-gemm-sweep.json, granite-4.0-tiny
+    # and granite-4.0-h-small shapes, 1-4,096 tokens): short row tiles stream longer K steps
     block_m = 16 if avg_rows <= 16 else 32 if avg_rows <= 32 else 64 if avg_rows <= 64 else 128
-    return block_m, 64 if gated else 128, 64, 8 if block_m >= 64 else 4, 3
+    if gated:
+        return (block_m, 64, 128, 4, 4) if block_m <= 64 else (128, 64, 64, 8, 3)
+    if block_m <= 32:
+        return block_m, 128, 128, 4, 3
+    return (64, 128, 64, 8, 3) if block_m == 64 else (128, 128, 64, 4, 3)
 
 
 def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype, b_scale=None):
@@ -578,7 +588,8 @@ def fused_moe(
     The Triton path takes float32/float16/bfloat16 with w1, w2 in hidden_states' dtype and add
     with stride 1 along hidden; impl forces its way (tests, benchmarks): "direct" (per routed
     pair, chosen for at most DIRECT_MAX_PAIRS pairs), "grouped_mm" (torch._grouped_mm, CUDA
-    bfloat16, chosen where usable) or "triton" (our grouped GEMM); None chooses.
+    bfloat16, chosen where usable from GROUPED_MM_MIN_ROWS_PER_EXPERT routed rows per expert
+    on average) or "triton" (our grouped GEMM); None chooses.
     Returns (num_tokens, hidden) in hidden_states' dtype (or the partials, see as_partials).
     Math: out[t] = sum_k w[t, k] * w2[e] (silu(g) * u), [g; u] = w1[e] x_t, e = ids[t, k]
     (Shazeer et al. 2017 top-k routing, GLU variants: Shazeer 2020); `reference.fused_moe`.
@@ -630,8 +641,11 @@ def fused_moe(
     if impl is None:
         if num_tokens * top_k <= DIRECT_MAX_PAIRS:
             impl = "direct"
+        elif num_tokens * top_k > GROUPED_MM_MIN_ROWS_PER_EXPERT * num_experts and not scaled \
+                and _grouped_mm_usable(hidden_states, w1, w2):
+            impl = "grouped_mm"
         else:
-            impl = "grouped_mm" if not scaled and _grouped_mm_usable(hidden_states, w1, w2) else "triton"
+            impl = "triton"
 
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     w1 = w1 if w1.stride(2) == 1 else w1.contiguous()
