@@ -51,8 +51,11 @@ from mambaserve.ops.varlen import NO_SAVES, SsdChunks, StateSaves, read_offsets,
 
 # Fixed launch configs; block sizes are capped by the problem's own sizes at launch.
 CHUNK_STATE_CONFIG = {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
-# the C B^T step runs in the chunk-state step's launch, with its num_warps and num_stages
+# the C B^T step runs in the chunk-state step's launch, with its num_warps and num_stages; from
+# SEPARATE_CB_MIN_TOKENS tokens in a step the two run as two launches of the kernel compiled
+# apart (long prefills: the kernel time outweighs one launch)
 CB_CONFIG = {"block_m": 64, "block_k": 64, "block_n": 128}
+SEPARATE_CB_MIN_TOKENS = 4096
 PASSING_CONFIG = {"block": 512, "num_warps": 4}
 # Per-chunk state contributions are kept in float32 (as mamba_ssm does); False stores them in
 # x's dtype, halving the bytes between steps 1 and 3 at the cost of one rounding per chunk.
@@ -194,13 +197,14 @@ def _chunk_state_cb_kernel(
     HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
     OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    CB_BLOCK_M: tl.constexpr, CB_BLOCK_K: tl.constexpr, CB_BLOCK_N: tl.constexpr,
+    CB_BLOCK_M: tl.constexpr, CB_BLOCK_K: tl.constexpr, CB_BLOCK_N: tl.constexpr, PART: tl.constexpr,
 ):
-    # steps 1 and 2 read only the inputs and write separate buffers: one launch, the first
-    # num_state_programs programs computing chunk states, the rest C B^T blocks ((chunk,
-    # group) fastest, then row block, then column block)
+    # steps 1 and 2 read only the inputs and write separate buffers: one launch (PART 0), the
+    # first num_state_programs programs computing chunk states, the rest C B^T blocks ((chunk,
+    # group) fastest, then row block, then column block); PART 1 / 2: only the chunk states /
+    # only C B^T (num_state_programs 0), each compiled alone (its own registers and occupancy)
     pid = tl.program_id(0)
-    if pid < num_state_programs:
+    if PART == 1 or (PART == 0 and pid < num_state_programs):
         _chunk_state(pid, x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr,
                      dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr,
                      num_tokens, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
@@ -496,13 +500,13 @@ def ssd_chunk_scan(
     if la is None:
         la = launches[options] = _launch_params(chunks, nheads, headdim, dstate, ngroups, x, *options)
     nc = chunks.num_chunks
-    if nc > 0:
-        _chunk_state_cb_kernel[la.state_cb_grid](
+    for grid, num_state_programs, part in la.state_cb_launches:
+        _chunk_state_cb_kernel[grid](
             x, dt, A, dt_bias if dt_bias is not None else A, B, C, chunks.chunk_start, chunks.chunk_end,
             dt_proc, cs, chunk_dA, states, cb,
             num_tokens, nheads, headdim, dstate, nheads // ngroups, la.lo, la.hi,
-            ngroups, chunk_size, la.num_state_programs, nc * ngroups, la.num_cb_m,
-            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), **la.state_cb_kw,
+            ngroups, chunk_size, num_state_programs, nc * ngroups, la.num_cb_m,
+            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), PART=part, **la.state_cb_kw,
         )
     _state_passing_kernel[la.passing_grid](
         states, chunk_dA, state_in, ssm_states, chunks.seq_chunk, state_indices, has_initial_state,
@@ -541,10 +545,9 @@ class _LaunchParams:
 
     lo: float
     hi: float
-    num_state_programs: int
     num_cb_m: int
     num_m_blocks: int
-    state_cb_grid: tuple
+    state_cb_launches: tuple  # ((grid, num_state_programs, PART), ...): one launch, or two apart
     passing_grid: tuple
     scan_grid: tuple
     state_cb_kw: dict
@@ -571,7 +574,13 @@ def _launch_params(chunks: SsdChunks, nheads: int, headdim: int, dstate: int, ng
     cb = CB_CONFIG
     cbm, cbk, cbn = _block(cb["block_m"], chunk_size), _block(cb["block_k"], chunk_size), _block(cb["block_n"], dstate)
     num_cb_m = cdiv(chunk_size, cbm)
-    state_cb_grid = (num_state_programs + nc * ngroups * num_cb_m * cdiv(chunk_size, cbk),)
+    num_cb_programs = nc * ngroups * num_cb_m * cdiv(chunk_size, cbk)
+    if nc == 0:
+        state_cb_launches = ()
+    elif chunks.num_tokens >= SEPARATE_CB_MIN_TOKENS:
+        state_cb_launches = (((num_state_programs,), num_state_programs, 1), ((num_cb_programs,), 0, 2))
+    else:
+        state_cb_launches = (((num_state_programs + num_cb_programs,), num_state_programs, 0),)
     state_cb_kw = dict(HAS_DT_BIAS=has_dt_bias, DT_SOFTPLUS=dt_softplus, HAS_DT_LIMIT=has_limit, **dots,
                        BLOCK_K=bk, BLOCK_P=bp, BLOCK_N=bn, CB_BLOCK_M=cbm, CB_BLOCK_K=cbk, CB_BLOCK_N=cbn,
                        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -588,5 +597,5 @@ def _launch_params(chunks: SsdChunks, nheads: int, headdim: int, dstate: int, ng
     scan_grid = (nc * num_m_blocks * nheads * cdiv(headdim, bp),)
     scan_kw = dict(HAS_D=has_D, HAS_Z=has_z, **dots, BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp,
                    BLOCK_N=max(16, next_power_of_2(dstate)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return _LaunchParams(lo, hi, num_state_programs, num_cb_m, num_m_blocks, state_cb_grid, passing_grid, scan_grid,
+    return _LaunchParams(lo, hi, num_cb_m, num_m_blocks, state_cb_launches, passing_grid, scan_grid,
                          state_cb_kw, passing_kw, scan_kw)

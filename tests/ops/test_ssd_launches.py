@@ -1,40 +1,27 @@
-"""The SSD scan's steps 1 and 2 in one launch (`ssd._chunk_state_cb_kernel`) against the same
-two steps as launches of their own (kernels written here around `ssd._chunk_state` and
-`ssd._chunk_cb`): bit for bit the same dt', cumsum, chunk totals, chunk states and C B^T."""
+"""The SSD scan's steps 1 and 2 in one launch of `ssd._chunk_state_cb_kernel` (PART 0) against
+the same two steps as launches of their own (PART 1: chunk states, PART 2: C B^T; what long
+prefills run): bit for bit the same dt', cumsum, chunk totals, chunk states and C B^T, and the
+same scan output either way."""
 
 import pytest
 import torch
 
+from mambaserve import ops
 from mambaserve.ops import ssd, varlen
-from mambaserve.ops.dispatch import tl, triton
 from tests.ops.kernel_helpers import DEVICES, gpu_only, packed
 from tests.ops.test_ssd import _inputs
 
 
-@triton.jit
-def _state_only(x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr,
-                dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr,
-                num_tokens, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
-                sxt, sxh, sxp, sdt, sdh, sbt, sbg, sbn,
-                HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_DT_LIMIT: tl.constexpr,
-                OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    ssd._chunk_state(tl.program_id(0), x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr,
-                     dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr,
-                     num_tokens, nheads, headdim, dstate, heads_per_group, dt_min, dt_max,
-                     sxt, sxh, sxp, sdt, sdh, sbt, sbg, sbn,
-                     HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, OPERAND_DTYPE, DOT_DTYPE, DOT_PRECISION,
-                     BLOCK_K, BLOCK_P, BLOCK_N)
-
-
-@triton.jit
-def _cb_only(C_ptr, B_ptr, chunk_start_ptr, chunk_end_ptr, cb_ptr, ngroups, dstate, chunk_size,
-             sct, scg, scn, sbt, sbg, sbn,
-             OPERAND_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    ssd._chunk_cb(tl.program_id(0), tl.program_id(1), tl.program_id(2), C_ptr, B_ptr, chunk_start_ptr,
-                  chunk_end_ptr, cb_ptr, ngroups, dstate, chunk_size, sct, scg, scn, sbt, sbg, sbn,
-                  OPERAND_DTYPE, DOT_DTYPE, DOT_PRECISION, BLOCK_M, BLOCK_K, BLOCK_N)
+def _launch(la, parts, x, dt, A, dt_bias, B, C, chunks, work, T, H, P, N, G, Q):
+    nc = chunks.num_chunks
+    num_state = nc * H * -(-P // la.state_cb_kw["BLOCK_P"]) * -(-N // la.state_cb_kw["BLOCK_N"])
+    num_cb = nc * G * la.num_cb_m * -(-Q // la.state_cb_kw["CB_BLOCK_K"])
+    for part in parts:
+        grid, nsp = {0: (num_state + num_cb, num_state), 1: (num_state, num_state), 2: (num_cb, 0)}[part]
+        ssd._chunk_state_cb_kernel[(grid,)](
+            x, dt, A, dt_bias, B, C, chunks.chunk_start, chunks.chunk_end, *work[:4], work[5],
+            T, H, P, N, H // G, la.lo, la.hi, G, Q, nsp, nc * G, la.num_cb_m,
+            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), PART=part, **la.state_cb_kw)
 
 
 def _compare(H, P, N, G, Q, lens, dtype, device):
@@ -43,23 +30,11 @@ def _compare(H, P, N, G, Q, lens, dtype, device):
     A, dt_bias = -torch.rand(H, device=device) - 0.1, torch.randn(H, device=device)
     chunks = varlen.ssd_chunks(varlen.check_offsets(qsl.tolist()), Q, device)
     la = ssd._launch_params(chunks, H, P, N, G, x, False, False, True, True, (0.0, float("inf")))
-    kw = la.state_cb_kw
     fused = [t.fill_(float("nan")) for t in ssd._workspace(chunks, T, H, P, N, G, dtype, device)]
     apart = [t.fill_(float("nan")) for t in ssd._workspace(chunks, T, H, P, N, G, dtype, device)]
-    nc = chunks.num_chunks
-    ssd._chunk_state_cb_kernel[la.state_cb_grid](
-        x, dt, A, dt_bias, B, C, chunks.chunk_start, chunks.chunk_end, *fused[:4], fused[5],
-        T, H, P, N, H // G, la.lo, la.hi, G, Q, la.num_state_programs, nc * G, la.num_cb_m,
-        *x.stride(), *dt.stride(), *B.stride(), *C.stride(), **kw)
-    common = {k: kw[k] for k in ("OPERAND_DTYPE", "DOT_DTYPE", "DOT_PRECISION", "num_warps", "num_stages")}
-    _state_only[(la.num_state_programs,)](
-        x, dt, A, dt_bias, B, chunks.chunk_start, chunks.chunk_end, *apart[:4],
-        T, H, P, N, H // G, la.lo, la.hi, *x.stride(), *dt.stride(), *B.stride(),
-        HAS_DT_BIAS=True, DT_SOFTPLUS=True, HAS_DT_LIMIT=kw["HAS_DT_LIMIT"],
-        BLOCK_K=kw["BLOCK_K"], BLOCK_P=kw["BLOCK_P"], BLOCK_N=kw["BLOCK_N"], **common)
-    _cb_only[(nc * G, la.num_cb_m, -(-Q // kw["CB_BLOCK_K"]))](
-        C, B, chunks.chunk_start, chunks.chunk_end, apart[5], G, N, Q, *C.stride(), *B.stride(),
-        BLOCK_M=kw["CB_BLOCK_M"], BLOCK_K=kw["CB_BLOCK_K"], BLOCK_N=kw["CB_BLOCK_N"], **common)
+    args = (x, dt, A, dt_bias, B, C, chunks)
+    _launch(la, (0,), *args, fused, T, H, P, N, G, Q)
+    _launch(la, (1, 2), *args, apart, T, H, P, N, G, Q)
     for name, a, b in zip(("dt'", "cumsum", "chunk totals", "chunk states", "", "C B^T"), fused, apart):
         if name:
             assert not a.isnan().all(), name  # the launch wrote something
@@ -69,6 +44,28 @@ def _compare(H, P, N, G, Q, lens, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_state_and_cb_in_one_launch_equal_separate_launches(device):
     _compare(H=4, P=16, N=16, G=2, Q=16, lens=[1, 37, 16], dtype=torch.float32, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scan_output_the_same_with_the_steps_launched_apart(device, monkeypatch):
+    """ssd_chunk_scan launches the two steps apart from SEPARATE_CB_MIN_TOKENS tokens: the
+    result and the final states are bit for bit those of the one launch."""
+    H, P, N, G, Q, lens = 4, 16, 16, 2, 16, [5, 40, 16]
+    qsl, T = packed(lens, device)
+    x, dt, B, C, _ = _inputs(T, H, P, G, N, torch.float32, device)
+    A, dt_bias, D = -torch.rand(H, device=device) - 0.1, torch.randn(H, device=device), torch.randn(H, device=device)
+    init = torch.randn(4, H, P, N, device=device)
+    idx = torch.tensor([2, 0, 3], dtype=torch.int32, device=device)
+    has = torch.tensor([True, False, True], device=device)
+    outs = []
+    for threshold in (10**9, 0):
+        monkeypatch.setattr(ssd, "SEPARATE_CB_MIN_TOKENS", threshold)
+        states = init.clone()
+        with ops.backend("triton"):
+            y = ops.ssd_chunk_scan(x, dt, A, B, C, Q, D, None, dt_bias, states, qsl, idx, has)
+        outs.append((y, states))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
 
 
 @gpu_only
