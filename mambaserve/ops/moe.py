@@ -500,15 +500,19 @@ def _tile_map(offs: torch.Tensor, num_rows: int, block_m: int):
     return tile_expert, (tiles_end - tiles).to(torch.int32), max_tiles
 
 
-def grouped_gemm_config(avg_rows: float, gated: bool, on_gpu: bool) -> tuple[int, int, int, int, int]:
+def grouped_gemm_config(avg_rows: float, gated: bool, on_gpu: bool,
+                        elem_bytes: int = 2) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `_grouped_gemm` for avg_rows
     routed rows per expert: row tiles no taller than an expert's rows, so that few rows are
-    masked off while every weight tile is still read once per row tile."""
+    masked off while every weight tile is still read once per row tile. elem_bytes: bytes of an
+    operand element (float32's 4 take shallower pipelines: the deep ones overflow shared memory)."""
     if not on_gpu:
         return 16, 32, 32, 4, 1
     # H200 sweep (benchmarks/results/h200/kernels/moe-grouped-gemm-sweep.json, granite-4.0-tiny
     # and granite-4.0-h-small shapes, 1-4,096 tokens): short row tiles stream longer K steps
     block_m = 16 if avg_rows <= 16 else 32 if avg_rows <= 32 else 64 if avg_rows <= 64 else 128
+    if elem_bytes > 2:  # float32 tiles: the 16-bit configs' pipelines do not fit shared memory
+        return block_m, 64 if gated else 128, 64, 8 if block_m >= 64 else 4, 3
     if gated:
         return (block_m, 64, 128, 4, 4) if block_m <= 64 else (128, 64, 64, 8, 3)
     if block_m <= 32:
@@ -527,7 +531,8 @@ def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype, b_scale=None):
     N = b.shape[1] // 2 if gated else b.shape[1]
     out = torch.empty(num_rows, N, dtype=out_dtype, device=a.device)
     on_gpu = a.is_cuda
-    block_m, block_n, block_k, num_warps, num_stages = grouped_gemm_config(num_rows / max(1, b.shape[0]), gated, on_gpu)
+    avg = num_rows / max(1, b.shape[0])
+    block_m, block_n, block_k, num_warps, num_stages = grouped_gemm_config(avg, gated, on_gpu, a.element_size())
     tile_expert, tile_first, max_tiles = _tile_map(offs, num_rows, block_m)
     num_n_tiles = triton.cdiv(N, block_n)
     _grouped_gemm_kernel[(max_tiles * num_n_tiles,)](
