@@ -71,3 +71,35 @@ def test_gpu_prefix_caching_equals_caching_off_with_graphs(name, dtype, mode):
         else:
             assert_greedy_close(a, b, logprob_tol=0.6 if name in TIE_AWARE | BF16_WIDER else 0.25)
     assert on.llm_engine.scheduler.prefix_cache_stats.hits > 0
+
+
+def test_gpu_first_repeat_of_a_long_prompt_compiles_nothing(monkeypatch):
+    """Reports: the second identical request slower than the first. A repeat resumes a few
+    tokens after a long cached prefix: an attention batch (short tiles, a split context, split
+    buffers of a new size) no request had run before. On an H200 the first repeat of a
+    31,500-token prompt compiled a paged-attention variant in its step (1.1-1.3 s). After
+    start-up (the attention warm-up) and one run of each prompt, repeats compile no kernel."""
+    from triton.runtime.jit import JITFunction
+
+    compiled = []
+    plain = JITFunction._do_compile
+
+    def recording(self, *args, **kwargs):
+        compiled.append(self.__name__)
+        return plain(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", recording)
+    llm = LLM(checkpoint("granite-moe"), skip_tokenizer_init=True, dtype="bfloat16", device="cuda",
+              gpu_memory_utilization=SHARE, max_num_seqs=8, block_size=16, mamba_block_size=64,
+              cuda_graph_sizes=[1, 2, 4, 8], max_model_len=2048)
+    g = torch.Generator().manual_seed(5)
+    vocab = hf_model("granite-moe").config.vocab_size
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (2000, 1031, 777, 1500, 650)]
+    once = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for p in prompts:
+        llm.generate([{"prompt_token_ids": p}], once, use_tqdm=False)
+    compiled.clear()
+    for p in prompts:  # each resumes at its last checkpoint: 16, 7, 9, 28 and 10 new tokens
+        out = llm.generate([{"prompt_token_ids": p}], once, use_tqdm=False)[0]
+        assert out.num_cached_tokens == (len(p) - 1) // 64 * 64
+    assert compiled == [], f"kernels compiled while serving repeats: {compiled}"
