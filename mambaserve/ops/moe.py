@@ -18,6 +18,8 @@ and `reference.router_topk`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mambaserve.ops import reference
@@ -114,6 +116,44 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, hidden, stride_y, s
     if HAS_ADD:
         acc += tl.load(add_ptr + t * stride_a + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _route_kernel(ids_ptr, token_of_ptr, inv_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr,
+                  num_pairs, num_experts, top_k, max_tiles,
+                  BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The whole routing of `_route` in one program: a counting sort of the (token, k) pairs by
+    expert (stable: pairs of one expert keep their order) and the row tiles of BLOCK_M rows."""
+    experts = tl.arange(0, E_BLOCK)
+    e_mask = experts < num_experts
+    counts = tl.zeros([E_BLOCK], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    ends = tl.cumsum(counts, axis=0)
+    starts = ends - counts
+    tl.store(offs_ptr + 1 + experts, ends, mask=e_mask)
+    tl.store(offs_ptr + experts, starts, mask=experts == 0)
+    seen = starts  # the next free row of each expert
+    for p0 in range(0, num_pairs, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        live = p < num_pairs
+        ids = tl.load(ids_ptr + p, mask=live, other=-1).to(tl.int32)
+        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - 1 + seen[None, :]  # (BLOCK, E): the row of each pair
+        row = tl.sum(onehot * rank, axis=1)
+        tl.store(inv_ptr + p, row, mask=live)
+        tl.store(token_of_ptr + row, p // top_k, mask=live)
+        seen += tl.sum(onehot, axis=0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, axis=0)
+    tl.store(tile_first_ptr + experts, tiles_end - tiles, mask=e_mask)
+    for t0 in range(0, max_tiles, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        # the expert of tile t: the experts whose tiles end at or before it (-1: a spare tile)
+        e_of = tl.sum(((tiles_end[None, :] <= t[:, None]) & e_mask[None, :]).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + t, tl.where(e_of < num_experts, e_of, -1), mask=t < max_tiles)
 
 
 @triton.jit
@@ -433,6 +473,9 @@ DIRECT_MAX_PAIRS = 32
 # GEMM is faster on an H200 (granite-4.0-h-small: 213 vs 274 us at 4 tokens, 463 vs 519 at 256;
 # at 1,024 tokens, 142 rows per expert, 798 vs 688)
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
+# Up to this many routed pairs the routing (sort by expert, row tiles) is one Triton program
+# (`_route_kernel`, two passes over the pairs); beyond, torch's sort and scans
+ROUTE_KERNEL_MAX_PAIRS = 4096
 
 
 def _direct_config(on_gpu: bool) -> tuple[int, int, int, int]:
@@ -470,34 +513,58 @@ def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials=False, 
     return out
 
 
-def _route(topk_ids: torch.Tensor, num_experts: int):
-    """Sort the (token, k) pairs by expert. Returns token_of (M,) int32 (source token of each
-    sorted row), inv (M,) int64 (sorted row of each pair, in (token, k) order) and offs
-    (E + 1,) int64 (expert e owns sorted rows offs[e]:offs[e + 1])."""
+@dataclass(frozen=True)
+class _Routing:
+    """The (token, k) pairs sorted by expert, and the row tiles of block_m rows over them.
+    token_of (M,) int32: source token of each sorted row; inv (M,) int32/int64: sorted row of
+    each pair, in (token, k) order; offs (E + 1,) int32/int64: expert e owns sorted rows
+    offs[e]:offs[e + 1]; tile_expert (max_tiles,) int32: the expert of each row tile (-1 =
+    spare: the grid is sized for the worst case); tile_first (E,) int32: each expert's first
+    tile. Tiles never straddle two experts."""
+
+    token_of: torch.Tensor
+    inv: torch.Tensor
+    offs: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_first: torch.Tensor
+    max_tiles: int
+    block_m: int
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> _Routing:
+    """Sort the (token, k) pairs by expert and tile them, on the device: one `_route_kernel`
+    launch up to ROUTE_KERNEL_MAX_PAIRS pairs on the Triton path (a decode step's routing was
+    some twenty launches of sorts, searches and scans), torch ops beyond."""
+    num_rows = topk_ids.numel()
+    # sum_e ceil(c_e / BM) <= M / BM + (number of non-empty experts)
+    max_tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
+    dev = topk_ids.device
+    if use_triton(topk_ids) and num_rows <= ROUTE_KERNEL_MAX_PAIRS:
+        token_of = torch.empty(num_rows, dtype=torch.int32, device=dev)
+        inv = torch.empty(num_rows, dtype=torch.int32, device=dev)
+        offs = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+        tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+        tile_first = torch.empty(num_experts, dtype=torch.int32, device=dev)
+        e_block = next_power_of_2(num_experts)
+        _route_kernel[(1,)](topk_ids.reshape(-1), token_of, inv, offs, tile_expert, tile_first,
+                            num_rows, num_experts, topk_ids.shape[1], max_tiles,
+                            BLOCK=max(16, min(128, 8192 // e_block)), E_BLOCK=e_block, BLOCK_M=block_m)
+        return _Routing(token_of, inv, offs, tile_expert, tile_first, max_tiles, block_m)
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
-    experts = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)
+    experts = torch.arange(num_experts + 1, device=dev, dtype=sorted_ids.dtype)
     offs = torch.searchsorted(sorted_ids, experts)  # (E + 1,)
     token_of = (order // top_k).to(torch.int32)
     inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    return token_of, inv, offs
-
-
-def _tile_map(offs: torch.Tensor, num_rows: int, block_m: int):
-    """Row tiles of BLOCK_M rows that never straddle two experts, computed on the device.
-    Returns tile_expert (max_tiles,) int32 (-1 = spare), tile_first (E,) int32, max_tiles."""
-    num_experts = offs.numel() - 1
+    inv[order] = torch.arange(order.numel(), device=dev)
     counts = offs[1:] - offs[:-1]
     tiles = (counts + block_m - 1) // block_m
     tiles_end = torch.cumsum(tiles, 0)
-    # sum_e ceil(c_e / BM) <= M / BM + (number of non-empty experts)
-    max_tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
-    ids = torch.arange(max_tiles, device=offs.device, dtype=tiles_end.dtype)
+    ids = torch.arange(max_tiles, device=dev, dtype=tiles_end.dtype)
     tile_expert = torch.searchsorted(tiles_end, ids, right=True)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
-    return tile_expert, (tiles_end - tiles).to(torch.int32), max_tiles
+    return _Routing(token_of, inv, offs, tile_expert, (tiles_end - tiles).to(torch.int32), max_tiles, block_m)
 
 
 def grouped_gemm_config(avg_rows: float, gated: bool, on_gpu: bool,
@@ -520,20 +587,23 @@ def grouped_gemm_config(avg_rows: float, gated: bool, on_gpu: bool,
     return (64, 128, 64, 8, 3) if block_m == 64 else (128, 128, 64, 4, 3)
 
 
-def _grouped_gemm(a, a_rows, b, offs, num_rows, gated, out_dtype, b_scale=None):
-    """Triton grouped GEMM: (num_rows, N) = A[rows] @ B[e]^T by expert slices of offs.
+def _grouped_gemm(a, a_rows, b, routing: _Routing, gated, out_dtype, b_scale=None):
+    """Triton grouped GEMM: (M, N) = A[rows] @ B[e]^T by the expert slices and row tiles of
+    `routing` (M sorted rows).
 
-    a: (*, K), stride 1 on K; a_rows: (num_rows,) int32 rows of a in expert order, or None when
+    a: (*, K), stride 1 on K; a_rows: (M,) int32 rows of a in expert order, or None when
     a is already in that order; b: (E, N or 2N when gated, K), stride 1 on K; b_scale: (E, N or
     2N) float32, stride 1, for an FP8 b.
     """
     K = a.shape[1]
     N = b.shape[1] // 2 if gated else b.shape[1]
+    num_rows = routing.token_of.shape[0]
     out = torch.empty(num_rows, N, dtype=out_dtype, device=a.device)
     on_gpu = a.is_cuda
-    avg = num_rows / max(1, b.shape[0])
-    block_m, block_n, block_k, num_warps, num_stages = grouped_gemm_config(avg, gated, on_gpu, a.element_size())
-    tile_expert, tile_first, max_tiles = _tile_map(offs, num_rows, block_m)
+    _, block_n, block_k, num_warps, num_stages = grouped_gemm_config(num_rows / max(1, b.shape[0]), gated, on_gpu,
+                                                                     a.element_size())
+    offs, block_m, max_tiles = routing.offs, routing.block_m, routing.max_tiles
+    tile_expert, tile_first = routing.tile_expert, routing.tile_first
     num_n_tiles = triton.cdiv(N, block_n)
     _grouped_gemm_kernel[(max_tiles * num_n_tiles,)](
         a, a_rows if a_rows is not None else offs, b, out, offs, tile_expert, tile_first,
@@ -661,23 +731,25 @@ def fused_moe(
         res = _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials and add is None, w1_scale, w2_scale)
         return res[None] if as_partials and res.dim() == 2 else res
     num_rows = num_tokens * top_k
-    token_of, inv, offs = _route(topk_ids, num_experts)
+    # one row-tile height for both GEMMs (their configs share it): one routing for the layer
+    block_m = grouped_gemm_config(num_rows / num_experts, True, x.is_cuda, x.element_size())[0]
+    routing = _route(topk_ids, num_experts, block_m)
     if impl == "grouped_mm":
-        offs_end = offs[1:].to(torch.int32)  # cumulative group ends, as _grouped_mm takes them
-        x_sorted = x.index_select(0, token_of)  # (M, hidden)
+        offs_end = routing.offs[1:].to(torch.int32)  # cumulative group ends, as _grouped_mm takes them
+        x_sorted = x.index_select(0, routing.token_of)  # (M, hidden)
         h = torch._grouped_mm(x_sorted, w1.transpose(1, 2), offs=offs_end)  # (M, 2 * inter)
         act = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
         block = min(1024, next_power_of_2(inter))
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](h, act, inter, h.stride(0), act.stride(0), BLOCK=block)
         y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs_end)  # (M, hidden)
     else:
-        act = _grouped_gemm(x, token_of, w1, offs, num_rows, True, x.dtype, w1_scale)  # (M, inter)
-        y = _grouped_gemm(act, None, w2, offs, num_rows, False, x.dtype, w2_scale)  # (M, hidden)
+        act = _grouped_gemm(x, routing.token_of, w1, routing, True, x.dtype, w1_scale)  # (M, inter)
+        y = _grouped_gemm(act, None, w2, routing, False, x.dtype, w2_scale)  # (M, hidden)
 
     weights = topk_weights.contiguous()
     block = min(1024, next_power_of_2(hidden))
     _combine_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        y, inv, weights, add if add is not None else out, out, hidden, y.stride(0),
+        y, routing.inv, weights, add if add is not None else out, out, hidden, y.stride(0),
         add.stride(0) if add is not None else 0, out.stride(0), TOP_K=top_k, GATHER=True, HAS_ADD=add is not None,
         BLOCK=block)
     return out[None] if as_partials else out

@@ -153,3 +153,47 @@ def test_fused_moe_float32_gpu_is_not_tf32():
     out = fused_moe_triton(x, w1, w2, tw, ti)
     ref = reference.fused_moe(x.double(), w1.double(), w2.double(), tw.double(), ti)
     assert rel_err(out, ref) < tolerance(torch.float32)
+
+
+def _route_reference(ids, num_experts, block_m):
+    """Plain Python: pairs stably sorted by expert, and the row tiles of block_m rows."""
+    flat = ids.reshape(-1).tolist()
+    k = ids.shape[1]
+    order = sorted(range(len(flat)), key=lambda p: (flat[p], p))
+    counts = [flat.count(e) for e in range(num_experts)]
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + c)
+    inv = [0] * len(flat)
+    for row, p in enumerate(order):
+        inv[p] = row
+    tile_expert, tile_first = [], []
+    for e, c in enumerate(counts):
+        tile_first.append(len(tile_expert))
+        tile_expert += [e] * (-(-c // block_m))
+    max_tiles = -(-len(flat) // block_m) + min(num_experts, len(flat))
+    tile_expert += [-1] * (max_tiles - len(tile_expert))
+    return [p // k for p in order], inv, offs, tile_expert, tile_first
+
+
+@pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m", [
+    (1, 1, 1, 16), (3, 2, 5, 16), (37, 6, 62, 16), (200, 6, 62, 32), (90, 2, 256, 64), (700, 6, 8, 128)])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_route_sorts_pairs_stably_and_tiles_them(num_tokens, top_k, num_experts, block_m, kernel, monkeypatch):
+    """Both routing paths (the one-program `_route_kernel`, torch's sort beyond
+    ROUTE_KERNEL_MAX_PAIRS pairs) against a plain-Python counting sort: skewed loads, experts
+    with no pair, more pairs than one block of the kernel's loop (700 x 6)."""
+    from mambaserve.ops import moe
+
+    monkeypatch.setattr(moe, "ROUTE_KERNEL_MAX_PAIRS", 10**9 if kernel else 0)
+    popularity = torch.rand(num_experts) ** 4 + 1e-3
+    popularity[torch.randperm(num_experts)[: num_experts // 3]] = 0.0
+    if not popularity.count_nonzero() >= top_k:
+        popularity[:top_k] = 1.0
+    ids = torch.multinomial(popularity.expand(num_tokens, -1), top_k, replacement=False).to(torch.int32).to(DEVICE)
+    with ops.backend("triton"):
+        r = moe._route(ids, num_experts, block_m)
+    token_of, inv, offs, tile_expert, tile_first = _route_reference(ids.cpu(), num_experts, block_m)
+    assert r.token_of.tolist() == token_of and r.inv.tolist() == inv and r.offs.tolist() == offs
+    assert r.tile_expert.tolist() == tile_expert and r.tile_first.tolist() == tile_first
+    assert r.max_tiles == len(tile_expert) and r.block_m == block_m
