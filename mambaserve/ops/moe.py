@@ -473,9 +473,9 @@ DIRECT_MAX_PAIRS = 32
 # GEMM is faster on an H200 (granite-4.0-h-small: 213 vs 274 us at 4 tokens, 463 vs 519 at 256;
 # at 1,024 tokens, 142 rows per expert, 798 vs 688)
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
-# Up to this many routed pairs the routing (sort by expert, row tiles) is one Triton program
-# (`_route_kernel`, two passes over the pairs); beyond, torch's sort and scans
-ROUTE_KERNEL_MAX_PAIRS = 4096
+# Up to this many routed pairs (decode batches) the routing is one Triton program (`_route_kernel`,
+# one SM, two passes over the pairs: serial); beyond, torch's sort and scans. Untimed guess.
+ROUTE_KERNEL_MAX_PAIRS = 512
 
 
 def _direct_config(on_gpu: bool) -> tuple[int, int, int, int]:
