@@ -196,10 +196,10 @@ def _attend_kv_tile(
     return acc, m_new, l_i
 
 
-# num_splits and the split buffers' strides over splits (num_tokens x heads) are runtime values
-# of every step: specialized (a constexpr, or Triton's divisibility-by-16 of an int) each count a
-# step produced would compile a kernel of its own in the middle of serving (1.1-1.3 s on an H200).
-@triton.jit(do_not_specialize=["num_splits", "stride_pa_s", "stride_pm_s"])
+# num_splits, the split buffers' strides over splits (num_tokens x heads) and the block table's
+# width (stride_bt) change every step: specialized (a constexpr, or Triton's divisibility by 16 of
+# an int) each value class would compile a kernel in the middle of serving (1.1-1.3 s on an H200).
+@triton.jit(do_not_specialize=["num_splits", "stride_pa_s", "stride_pm_s", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr, work_ptr,

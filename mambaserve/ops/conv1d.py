@@ -455,7 +455,7 @@ def _causal_conv1d_tile_kernel(
                              WIDTH, ROWS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["batch"])  # a per-step count: one kernel for all
 def _causal_conv1d_update_kernel(
     x_ptr, w_ptr, bias_ptr, states_ptr, out_ptr, state_idx_ptr,
     batch, dim,

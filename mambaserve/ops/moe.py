@@ -118,7 +118,7 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, hidden, stride_y, s
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles"])  # per-step counts: one kernel for all
 def _route_kernel(ids_ptr, token_of_ptr, inv_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr,
                   num_pairs, num_experts, top_k, max_tiles,
                   BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):

@@ -184,7 +184,7 @@ def _chunk_cb(
                  mask=(m < chunk_size)[:, None] & (k < chunk_size)[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_state_programs"])  # per-step counts: one kernel for all
+@triton.jit(do_not_specialize=["num_tokens", "num_state_programs", "num_cg"])  # per-step counts: one kernel for all
 def _chunk_state_cb_kernel(
     x_ptr, dt_ptr, A_ptr, dt_bias_ptr, B_ptr, C_ptr, chunk_start_ptr, chunk_end_ptr,
     dt_out_ptr, cs_out_ptr, chunk_dA_ptr, states_ptr, cb_ptr,
