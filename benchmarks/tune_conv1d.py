@@ -404,7 +404,8 @@ def main() -> int:
             cfg = conv1d.update_config(table, len(shape.lens), row["dim"], shape.width)
         else:
             cfg = conv1d.varlen_config(table, shape.num_tokens, row["dim"], shape.width)
-        t_us = row["us"].get(json.dumps(cfg))
+        # the timings are keyed by each candidate's JSON, whose key order the table's configs need not share
+        t_us = next((us for k, us in row["us"].items() if json.loads(k) == cfg), None)
         row["table_config"], row["table_us"] = cfg, t_us
         v = VLLM_US.get(row["name"])
         frac = 100 * row["bytes"] / (t_us * 1e-6) / 1e9 / bw if t_us else float("nan")
