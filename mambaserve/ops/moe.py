@@ -118,18 +118,27 @@ def _combine_kernel(y_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, hidden, stride_y, s
     tl.store(out_ptr + t * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _bucket(ids, live, num_experts):
+    """Each live pair's sort bucket: its expert, or num_experts for an id out of range; -1 for a
+    lane past the pairs (no bucket)."""
+    return tl.where(live, tl.where((ids >= 0) & (ids < num_experts), ids, num_experts), -1)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])  # per-step counts: one kernel for all
 def _route_kernel(ids_ptr, token_of_ptr, inv_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr,
                   num_pairs, num_experts, top_k, max_tiles,
                   BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
     """The whole routing of `_route` in one program: a counting sort of the (token, k) pairs by
-    expert (stable: pairs of one expert keep their order) and the row tiles of BLOCK_M rows."""
+    expert (stable: pairs of one expert keep their order) and the row tiles of BLOCK_M rows.
+    An id outside [0, num_experts) (a padding row's routing) sorts into bucket num_experts, past
+    every expert's rows: no tile reads it and it takes no other pair's row (E_BLOCK > num_experts)."""
     experts = tl.arange(0, E_BLOCK)
     e_mask = experts < num_experts
     counts = tl.zeros([E_BLOCK], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK):
         p = p0 + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1).to(tl.int32)
+        ids = _bucket(tl.load(ids_ptr + p, mask=p < num_pairs, other=0).to(tl.int32), p < num_pairs, num_experts)
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     ends = tl.cumsum(counts, axis=0)
     starts = ends - counts
@@ -139,14 +148,14 @@ def _route_kernel(ids_ptr, token_of_ptr, inv_ptr, offs_ptr, tile_expert_ptr, til
     for p0 in range(0, num_pairs, BLOCK):
         p = p0 + tl.arange(0, BLOCK)
         live = p < num_pairs
-        ids = tl.load(ids_ptr + p, mask=live, other=-1).to(tl.int32)
+        ids = _bucket(tl.load(ids_ptr + p, mask=live, other=0).to(tl.int32), live, num_experts)
         onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
         rank = tl.cumsum(onehot, axis=0) - 1 + seen[None, :]  # (BLOCK, E): the row of each pair
         row = tl.sum(onehot * rank, axis=1)
         tl.store(inv_ptr + p, row, mask=live)
         tl.store(token_of_ptr + row, p // top_k, mask=live)
         seen += tl.sum(onehot, axis=0)
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles = tl.where(e_mask, (counts + BLOCK_M - 1) // BLOCK_M, 0)
     tiles_end = tl.cumsum(tiles, axis=0)
     tl.store(tile_first_ptr + experts, tiles_end - tiles, mask=e_mask)
     for t0 in range(0, max_tiles, BLOCK):
@@ -545,7 +554,7 @@ def _route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> _Routing:
         offs = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
         tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
         tile_first = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        e_block = next_power_of_2(num_experts)
+        e_block = next_power_of_2(num_experts + 1)  # one bucket past the experts: ids out of range
         _route_kernel[(1,)](topk_ids.reshape(-1), token_of, inv, offs, tile_expert, tile_first,
                             num_rows, num_experts, topk_ids.shape[1], max_tiles,
                             BLOCK=max(16, min(128, 8192 // e_block)), E_BLOCK=e_block, BLOCK_M=block_m)

@@ -197,3 +197,39 @@ def test_route_sorts_pairs_stably_and_tiles_them(num_tokens, top_k, num_experts,
     assert r.token_of.tolist() == token_of and r.inv.tolist() == inv and r.offs.tolist() == offs
     assert r.tile_expert.tolist() == tile_expert and r.tile_first.tolist() == tile_first
     assert r.max_tiles == len(tile_expert) and r.block_m == block_m
+
+
+def test_route_kernel_sorts_ids_out_of_range_past_every_expert():
+    """A padding row's routing may hold any id: the one-program routing gives such pairs rows
+    past every expert's (no tile reads them), so no real pair loses its row."""
+    from mambaserve.ops import moe
+
+    E, block_m = 8, 16
+    ids = torch.randint(0, E, (40, 3), dtype=torch.int32)
+    ids[5] = torch.tensor([-1, E, 2], dtype=torch.int32)
+    ids[17, 1] = 1000
+    with ops.backend("triton"):
+        r = moe._route(ids.to(DEVICE), E, block_m)
+    flat = ids.reshape(-1).tolist()
+    bucket = [e if 0 <= e < E else E for e in flat]
+    order = sorted(range(len(flat)), key=lambda p: (bucket[p], p))
+    assert r.token_of.tolist() == [p // 3 for p in order]
+    assert r.inv.tolist() == [order.index(p) for p in range(len(flat))]
+    counts = [bucket.count(e) for e in range(E)]
+    assert r.offs.tolist() == [sum(counts[:e]) for e in range(E + 1)]
+    tiles = [t for e in range(E) for t in [e] * -(-counts[e] // block_m)]
+    assert r.tile_expert.tolist()[: len(tiles)] == tiles and set(r.tile_expert.tolist()[len(tiles):]) <= {-1}
+
+
+def test_fused_moe_other_tokens_unaffected_by_an_id_out_of_range():
+    """The token whose routing is out of range gets no defined output; every other token's is
+    what it would be without that token in the batch."""
+    x, w1, w2, tw, ti = _make(12, 32, 24, 6, 2, torch.float32, DEVICE, empty_experts=1)
+    ti = ti.to(torch.int32)
+    bad = ti.clone()
+    bad[11] = torch.tensor([-1, 6], dtype=torch.int32)  # the last pairs: in the interpreter their stores land last
+    keep = list(range(11))
+    with ops.backend("triton"):
+        got = ops.fused_moe(x, w1, w2, tw, bad, impl="triton")
+    want = _ref(x[keep], w1, w2, tw[keep], ti[keep])
+    assert rel_err(got[keep], want.to(got.dtype)) < tolerance(torch.float32)
