@@ -21,7 +21,7 @@ from mambaserve.ops.activation import silu_and_mul
 from mambaserve.ops.attention import AttentionPlan, paged_attention, plan_paged_attention, reshape_and_cache
 from mambaserve.ops.conv1d import causal_conv1d, causal_conv1d_update
 from mambaserve.ops.dispatch import backend, current_backend, fused, fusions_enabled, unfused
-from mambaserve.ops.fp8 import dequantize_fp8, fp8_linear, quantize_fp8
+from mambaserve.ops.fp8 import dequantize_fp8, fp8_linear, quantize_fp8, silu_mul_quantize_fp8
 from mambaserve.ops.gemv import gated_norm_linear_partials, gemv_max_tokens, linear_partials
 from mambaserve.ops.layernorm_gated import fused_add_rms_norm, rms_norm_gated
 from mambaserve.ops.mamba1_scan import selective_scan, selective_scan_update
@@ -58,6 +58,7 @@ __all__ = [
     "fp8_linear",
     "quantize_fp8",
     "dequantize_fp8",
+    "silu_mul_quantize_fp8",
     "gated_norm_linear_partials",
     "gemv_max_tokens",
     "silu_and_mul",

@@ -103,6 +103,53 @@ def quantize_fp8_reference(x: torch.Tensor, scale: torch.Tensor | None = None, *
     return (xf / s).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+@triton.jit
+def _silu_mul_quantize_kernel(h_ptr, q_ptr, s_ptr, inter, stride_h, stride_q, min_scale, BLOCK: tl.constexpr):
+    """One row: a = silu(h[:inter]) * h[inter:] in float32, its scale amax(|a|) / 448, q = a / scale.
+    a is computed twice (for the amax, then for q) rather than stored: h is read twice, and no
+    (rows, inter) intermediate is written and read back."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK):
+        mask = k0 + offs < inter
+        g = tl.load(h_ptr + row * stride_h + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + row * stride_h + inter + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(g * tl.sigmoid(g) * u))
+    scale = tl.maximum(tl.max(amax, 0) / 448.0, min_scale)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, inter, BLOCK):
+        mask = k0 + offs < inter
+        g = tl.load(h_ptr + row * stride_h + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + row * stride_h + inter + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(g * tl.sigmoid(g) * u / scale, -448.0, 448.0)
+        tl.store(q_ptr + row * stride_q + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul_quantize_fp8(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up of a fused [gate | up] product, quantized per row to FP8 in the same pass
+    (the FP8 experts' down-projection input: the activation never lands in 16 bits).
+
+    h: (rows, 2 * inter) float, stride 1 along features. Returns q (rows, inter) float8_e4m3fn
+    and scale (rows,) float32 with silu(g) * u ~ q * scale[:, None], the product in float32 and
+    the scale its row's amax / 448 (at least 1/229,376). One launch on the Triton path, the same
+    math in PyTorch elsewhere. Math: GLU variants (Shazeer 2020), `quantize_fp8`. Raises
+    ValueError on an odd feature count."""
+    check(h.dim() == 2 and h.shape[1] % 2 == 0, lambda: f"h must be (rows, 2 * inter), got {tuple(h.shape)}")
+    rows, inter = h.shape[0], h.shape[1] // 2
+    if not use_triton(h):
+        g, u = h.float().chunk(2, dim=-1)
+        q, s = quantize_fp8_reference(F.silu(g) * u)
+        return q, s.reshape(rows)
+    h = h if h.stride(1) == 1 else h.contiguous()
+    q = torch.empty(rows, inter, dtype=FP8_DTYPE, device=h.device)
+    s = torch.empty(rows, dtype=torch.float32, device=h.device)
+    if rows and inter:
+        _silu_mul_quantize_kernel[(rows,)](h, q, s, inter, h.stride(0), q.stride(0), _MIN_SCALE,
+                                           BLOCK=min(1024, next_power_of_2(inter)))
+    return q, s
+
+
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q (..., N, K) float8 times scale (1 element, or (..., N) / (..., N, 1): one per row), in
     float32, rounded once to `dtype`."""

@@ -9,6 +9,10 @@ layers are grouped matrix products over those slices:
 - otherwise our own Triton grouped GEMM, which gathers the token rows itself, computes the gate
   and up halves together and applies the SiLU gate in its epilogue. It runs in Triton's
   interpreter too (CPU tests).
+FP8 experts (per-row weight scales) take our grouped GEMM weight-only (the tile widened to the
+activations' dtype: half the weight bytes), and from GROUPED_MM_MIN_ROWS_PER_EXPERT rows per
+expert on Hopper `torch._scaled_grouped_mm`: the activations quantized per row (the tokens before
+the gather, the SiLU product in the pass that computes it), FP8 x FP8 on the tensor cores.
 The top-k outputs of a token are summed back in token order by a gather kernel that adds the
 k terms in a fixed order (deterministic; no atomics). Nothing here syncs with the host.
 
@@ -26,8 +30,13 @@ from mambaserve.ops import reference
 from mambaserve.ops.activation import _silu_mul_kernel
 from mambaserve.ops.common import TL_DTYPES, check, next_power_of_2
 from mambaserve.ops.dispatch import fusions_enabled, tl, triton, use_triton
+from mambaserve.ops.fp8 import FP8_DTYPE, quantize_fp8, silu_mul_quantize_fp8
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_HAS_SCALED_GROUPED_MM = hasattr(torch, "_scaled_grouped_mm")
+# torch._scaled_grouped_mm's use_fast_accum (FP8 sums kept in the tensor cores' narrower
+# accumulator between K blocks): off, as `fp8_linear`'s _scaled_mm
+SCALED_GROUPED_MM_FAST_ACCUM = False
 
 
 @triton.jit
@@ -640,6 +649,35 @@ def _grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> b
     )
 
 
+def _scaled_grouped_mm_usable(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch._scaled_grouped_mm: Hopper or later, bf16 activations, FP8 weights whose K and N are
+    multiples of 16 (its 16-byte stride rule for one-byte elements), contiguous and aligned."""
+    return (
+        _HAS_SCALED_GROUPED_MM and x.is_cuda and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and w1.dtype == w2.dtype == FP8_DTYPE and x.shape[1] % 16 == 0 and w2.shape[2] % 16 == 0
+        and w1.is_contiguous() and w2.is_contiguous()
+        and w1.data_ptr() % 16 == 0 and w2.data_ptr() % 16 == 0
+    )
+
+
+def _scaled_grouped_moe(x, w1, w2, w1_scale, w2_scale, routing: _Routing):
+    """Both expert layers as FP8 x FP8 `torch._scaled_grouped_mm`s with row-wise scales: x
+    (T, hidden) bf16 quantized per token, gathered into expert order (one byte per element), the
+    SiLU product quantized per row in the pass that computes it. Returns y (M, hidden) bf16 in
+    sorted-row order. Math: out = (x_q s_x)(W_q s_w)^T, as `fp8.reference_scaled_mm`."""
+    offs_end = routing.offs[1:].to(torch.int32)  # cumulative group ends, as the grouped mm takes them
+    xq, xs = quantize_fp8(x)  # (T, hidden) fp8, (T, 1) float32
+    rows = routing.token_of
+    xq = xq.view(torch.uint8).index_select(0, rows).view(FP8_DTYPE)  # (M, hidden)
+    xs = xs.reshape(-1).index_select(0, rows)  # (M,)
+    h = torch._scaled_grouped_mm(xq, w1.transpose(1, 2), xs, w1_scale, offs=offs_end, out_dtype=torch.bfloat16,
+                                 use_fast_accum=SCALED_GROUPED_MM_FAST_ACCUM)  # (M, 2 * inter)
+    aq, a_s = silu_mul_quantize_fp8(h)  # (M, inter) fp8, (M,)
+    return torch._scaled_grouped_mm(aq, w2.transpose(1, 2), a_s, w2_scale, offs=offs_end, out_dtype=torch.bfloat16,
+                                    use_fast_accum=SCALED_GROUPED_MM_FAST_ACCUM)  # (M, hidden)
+
+
 def fused_moe(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -667,13 +705,15 @@ def fused_moe(
     hidden) result in hidden_states' dtype, stride 1 along hidden.
     w1_scale (num_experts, 2 * inter), w2_scale (num_experts, hidden): float32 per-row scales
     of FP8 (float8_e4m3fn) w1, w2 (both or neither): the experts' weights are w * scale
-    (weight-only FP8: the activations stay in hidden_states' dtype; the Triton kernels widen
-    each weight tile exactly and scale the float32 sums; torch._grouped_mm is not used).
+    (weight-only FP8 on the direct and Triton paths: the activations stay in hidden_states'
+    dtype, each weight tile is widened exactly and the scales multiply the float32 sums;
+    "scaled_grouped_mm" quantizes the activations per row too, see the module docstring).
     The Triton path takes float32/float16/bfloat16 with w1, w2 in hidden_states' dtype and add
     with stride 1 along hidden; impl forces its way (tests, benchmarks): "direct" (per routed
     pair, chosen for at most DIRECT_MAX_PAIRS pairs), "grouped_mm" (torch._grouped_mm, CUDA
     bfloat16, chosen where usable from GROUPED_MM_MIN_ROWS_PER_EXPERT routed rows per expert
-    on average) or "triton" (our grouped GEMM); None chooses.
+    on average), "scaled_grouped_mm" (its FP8 twin for FP8 experts, CUDA Hopper bfloat16, from
+    the same rows per expert) or "triton" (our grouped GEMM); None chooses.
     Returns (num_tokens, hidden) in hidden_states' dtype (or the partials, see as_partials).
     Math: out[t] = sum_k w[t, k] * w2[e] (silu(g) * u), [g; u] = w1[e] x_t, e = ids[t, k]
     (Shazeer et al. 2017 top-k routing, GLU variants: Shazeer 2020); `reference.fused_moe`.
@@ -695,8 +735,8 @@ def fused_moe(
     check(add is None or add.shape == hidden_states.shape, lambda: f"add must be ({num_tokens}, {hidden})")
     check(out is None or (out.shape == hidden_states.shape and out.dtype == hidden_states.dtype and out.stride(1) == 1),
           lambda: f"out must be ({num_tokens}, {hidden}) {hidden_states.dtype} with stride 1 along hidden")
-    check(impl in (None, "direct", "grouped_mm", "triton"),
-          lambda: f"impl must be None, 'direct', 'grouped_mm' or 'triton', got {impl!r}")
+    check(impl in (None, "direct", "grouped_mm", "scaled_grouped_mm", "triton"),
+          lambda: f"impl must be None, 'direct', 'grouped_mm', 'scaled_grouped_mm' or 'triton', got {impl!r}")
     scaled = w1_scale is not None
     check(scaled == (w2_scale is not None), "w1_scale and w2_scale come together")
     check(not scaled or (w1.dtype == w2.dtype == torch.float8_e4m3fn
@@ -715,6 +755,8 @@ def fused_moe(
           lambda: f"w1, w2 must have hidden_states' dtype {hidden_states.dtype}, got {w1.dtype}, {w2.dtype}")
     check(impl != "grouped_mm" or (not scaled and _grouped_mm_usable(hidden_states, w1, w2)),
           "torch._grouped_mm is not usable here (needs CUDA bf16, sizes multiple of 8)")
+    check(impl != "scaled_grouped_mm" or (scaled and _scaled_grouped_mm_usable(hidden_states, w1, w2)),
+          "torch._scaled_grouped_mm is not usable here (needs FP8 experts, CUDA Hopper, bf16, sizes multiple of 16)")
     check(add is None or add.stride(1) == 1, "add must have stride 1 along hidden")
     top_k = topk_ids.shape[1]
     if out is None:
@@ -728,6 +770,9 @@ def fused_moe(
         elif num_tokens * top_k > GROUPED_MM_MIN_ROWS_PER_EXPERT * num_experts and not scaled \
                 and _grouped_mm_usable(hidden_states, w1, w2):
             impl = "grouped_mm"
+        elif num_tokens * top_k > GROUPED_MM_MIN_ROWS_PER_EXPERT * num_experts and scaled \
+                and _scaled_grouped_mm_usable(hidden_states, w1, w2):
+            impl = "scaled_grouped_mm"
         else:
             impl = "triton"
 
@@ -751,6 +796,8 @@ def fused_moe(
         block = min(1024, next_power_of_2(inter))
         _silu_mul_kernel[(num_rows, triton.cdiv(inter, block))](h, act, inter, h.stride(0), act.stride(0), BLOCK=block)
         y = torch._grouped_mm(act, w2.transpose(1, 2), offs=offs_end)  # (M, hidden)
+    elif impl == "scaled_grouped_mm":
+        y = _scaled_grouped_moe(x, w1, w2, w1_scale, w2_scale, routing)
     else:
         act = _grouped_gemm(x, routing.token_of, w1, routing, True, x.dtype, w1_scale)  # (M, inter)
         y = _grouped_gemm(act, None, w2, routing, False, x.dtype, w2_scale)  # (M, hidden)
