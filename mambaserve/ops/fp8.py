@@ -38,6 +38,13 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # a row of zeros still gets a finite, positive scale
 _HAS_SCALED_MM = hasattr(torch, "_scaled_mm")
+# use_fast_accum of the FP8 GEMMs (`_scaled_mm` here, `_scaled_grouped_mm` in the MoE): Hopper's
+# FP8 tensor cores then keep the sums in their own accumulator across K blocks instead of
+# promoting them to float32 every few blocks. On an H200 the promotion made the experts' grouped
+# mm 2x slower (granite-4.0-tiny, 31,500 tokens: 3,624 vs 1,774 us,
+# benchmarks/results/h200/fp8/moe-and-linear-paths.json); the GPU tests hold the results to the
+# float64 math of the quantized path.
+FP8_FAST_ACCUM = True
 # weight scale -> (its version, the (1, N) float32 row-wise scale `_scaled_mm` takes): built once
 _ROW_SCALES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -225,7 +232,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     else:  # row-wise: (M, 1) and (1, N), both contiguous; a dynamic xs already is
         a_scale = xs if xs.shape == (M, 1) else xs.reshape(1, 1).expand(M, 1).contiguous()
         b_scale = _row_scale(weight_scale, N)
-    y = torch._scaled_mm(xq, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16,
+                         use_fast_accum=FP8_FAST_ACCUM)
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, N)

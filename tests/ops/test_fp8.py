@@ -194,7 +194,7 @@ def _quantized_moe_reference(x, q1, s1, q2, s2, w, ids):
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="torch._scaled_grouped_mm needs a CUDA GPU with FP8 (Hopper)")
-@pytest.mark.parametrize("num_tokens", [700, 3000])  # past GROUPED_MM_MIN_ROWS_PER_EXPERT rows per expert
+@pytest.mark.parametrize("num_tokens", [2700, 6000])  # past SCALED_GROUPED_MM_MIN_ROWS_PER_EXPERT rows per expert
 def test_fp8_experts_on_scaled_grouped_mm_match_their_float64_math(num_tokens, monkeypatch):
     """granite-4.0-tiny-preview's experts in FP8 (62, top-6, hidden 1536, inter 512): the default
     choice at prefill sizes is the FP8 x FP8 grouped mm, and it computes the quantized math."""
