@@ -42,7 +42,7 @@ _HAS_SCALED_MM = hasattr(torch, "_scaled_mm")
 # FP8 tensor cores then keep the sums in their own accumulator across K blocks instead of
 # promoting them to float32 every few blocks. On an H200 the promotion made the experts' grouped
 # mm 2x slower (granite-4.0-tiny, 31,500 tokens: 3,624 vs 1,774 us,
-# benchmarks/results/h200/fp8/moe-and-linear-paths.json); the GPU tests hold the results to the
+# benchmarks/results/h200/fp8/moe-paths-granite-4.0-tiny.json); the GPU tests hold the results to the
 # float64 math of the quantized path.
 FP8_FAST_ACCUM = True
 # weight scale -> (its version, the (1, N) float32 row-wise scale `_scaled_mm` takes): built once

@@ -492,9 +492,10 @@ GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
 # one SM, two passes over the pairs: serial); beyond, torch's sort and scans. Untimed guess.
 ROUTE_KERNEL_MAX_PAIRS = 512
 # FP8 experts take torch._scaled_grouped_mm from this many routed rows per expert, below it our
-# weight-only grouped GEMM (half the weight bytes, no activation quantization). H200, granite-4.0-tiny:
-# 432 vs 586 us at 2,048 tokens (198 rows per expert), 943 vs 664 at 8,192 (793 rows)
-SCALED_GROUPED_MM_MIN_ROWS_PER_EXPERT = 256
+# weight-only grouped GEMM (half the weight bytes, no activation quantization). H200, granite-4.0-tiny,
+# in CUDA graphs (benchmarks/results/h200/fp8/moe-paths-granite-4.0-tiny.json): 161 vs 172 us at
+# 256 tokens (25 rows per expert), 202 vs 184 at 512 (50 rows), 368 vs 288 at 2,048
+SCALED_GROUPED_MM_MIN_ROWS_PER_EXPERT = 32
 
 
 def _direct_config(on_gpu: bool) -> tuple[int, int, int, int]:
