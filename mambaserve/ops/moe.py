@@ -488,9 +488,11 @@ DIRECT_MAX_PAIRS = 32
 # GEMM is faster on an H200 (granite-4.0-h-small: 213 vs 274 us at 4 tokens, 463 vs 519 at 256;
 # at 1,024 tokens, 142 rows per expert, 798 vs 688)
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
-# Up to this many routed pairs (decode batches) the routing is one Triton program (`_route_kernel`,
-# one SM, two passes over the pairs: serial); beyond, torch's sort and scans. Untimed guess.
-ROUTE_KERNEL_MAX_PAIRS = 512
+# Up to this many routed pairs the routing is one Triton program (`_route_kernel`, one SM, two
+# passes over the pairs: serial); beyond, torch's sort and scans (some twenty launches). H200,
+# granite-4.0-tiny (62 experts, top 6), in CUDA graphs (kernels/moe-routing-kernel-vs-torch.json):
+# 7 vs 38 us at 96 pairs, 46 vs 62 at 1,536, 89 vs 66 at 3,072
+ROUTE_KERNEL_MAX_PAIRS = 2048
 # FP8 experts take torch._scaled_grouped_mm from this many routed rows per expert, below it our
 # weight-only grouped GEMM (half the weight bytes, no activation quantization). H200, granite-4.0-tiny,
 # in CUDA graphs (benchmarks/results/h200/fp8/moe-paths-granite-4.0-tiny.json): 161 vs 172 us at
