@@ -131,6 +131,50 @@ def _bucket(ids, live, num_experts):
     return tl.where(live, tl.where((ids >= 0) & (ids < num_experts), ids, num_experts), -1)
 
 
+@triton.jit
+def _store_offs_and_tiles(counts, experts, offs_ptr, tile_expert_ptr, tile_first_ptr, num_experts, max_tiles,
+                          BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """From each bucket's pair count (E_BLOCK,): the experts' row offsets offs (E + 1,), each
+    expert's first row tile and the expert of every tile (-1: a spare tile of the worst-case grid)."""
+    e_mask = experts < num_experts
+    ends = tl.cumsum(counts, axis=0)
+    tl.store(offs_ptr + 1 + experts, ends, mask=e_mask)
+    tl.store(offs_ptr + experts, ends - counts, mask=experts == 0)
+    tiles = tl.where(e_mask, (counts + BLOCK_M - 1) // BLOCK_M, 0)
+    tiles_end = tl.cumsum(tiles, axis=0)
+    tl.store(tile_first_ptr + experts, tiles_end - tiles, mask=e_mask)
+    for t0 in range(0, max_tiles, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        # the expert of tile t: the experts whose tiles end at or before it (-1: a spare tile)
+        e_of = tl.sum(((tiles_end[None, :] <= t[:, None]) & e_mask[None, :]).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + t, tl.where(e_of < num_experts, e_of, -1), mask=t < max_tiles)
+
+
+@triton.jit
+def _place_pairs(ids_ptr, token_of_ptr, inv_ptr, p0, num_pairs, num_experts, top_k, first_row, experts,
+                 BLOCK: tl.constexpr):
+    """Pairs p0 .. p0 + BLOCK to their sorted rows: first_row[e] (E_BLOCK,) is the row of the
+    block's first pair of bucket e; later pairs of e follow in pair order (a stable sort).
+    Returns the block's count per bucket."""
+    p = p0 + tl.arange(0, BLOCK)
+    live = p < num_pairs
+    ids = _bucket(tl.load(ids_ptr + p, mask=live, other=0).to(tl.int32), live, num_experts)
+    onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
+    rank = tl.cumsum(onehot, axis=0) - 1 + first_row[None, :]  # (BLOCK, E): the row of each pair
+    row = tl.sum(onehot * rank, axis=1)
+    tl.store(inv_ptr + p, row, mask=live)
+    tl.store(token_of_ptr + row, p // top_k, mask=live)
+    return tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def _bucket_counts(ids_ptr, p0, num_pairs, num_experts, experts, BLOCK: tl.constexpr):
+    """Pairs p0 .. p0 + BLOCK: their count per bucket (E_BLOCK,)."""
+    p = p0 + tl.arange(0, BLOCK)
+    ids = _bucket(tl.load(ids_ptr + p, mask=p < num_pairs, other=0).to(tl.int32), p < num_pairs, num_experts)
+    return tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_tiles"])  # per-step counts: one kernel for all
 def _route_kernel(ids_ptr, token_of_ptr, inv_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr,
                   num_pairs, num_experts, top_k, max_tiles,
@@ -140,35 +184,56 @@ def _route_kernel(ids_ptr, token_of_ptr, inv_ptr, offs_ptr, tile_expert_ptr, til
     An id outside [0, num_experts) (a padding row's routing) sorts into bucket num_experts, past
     every expert's rows: no tile reads it and it takes no other pair's row (E_BLOCK > num_experts)."""
     experts = tl.arange(0, E_BLOCK)
-    e_mask = experts < num_experts
     counts = tl.zeros([E_BLOCK], dtype=tl.int32)
     for p0 in range(0, num_pairs, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        ids = _bucket(tl.load(ids_ptr + p, mask=p < num_pairs, other=0).to(tl.int32), p < num_pairs, num_experts)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    ends = tl.cumsum(counts, axis=0)
-    starts = ends - counts
-    tl.store(offs_ptr + 1 + experts, ends, mask=e_mask)
-    tl.store(offs_ptr + experts, starts, mask=experts == 0)
-    seen = starts  # the next free row of each expert
+        counts += _bucket_counts(ids_ptr, p0, num_pairs, num_experts, experts, BLOCK)
+    _store_offs_and_tiles(counts, experts, offs_ptr, tile_expert_ptr, tile_first_ptr, num_experts, max_tiles,
+                          BLOCK, BLOCK_M)
+    seen = tl.cumsum(counts, axis=0) - counts  # the next free row of each bucket
     for p0 in range(0, num_pairs, BLOCK):
-        p = p0 + tl.arange(0, BLOCK)
-        live = p < num_pairs
-        ids = _bucket(tl.load(ids_ptr + p, mask=live, other=0).to(tl.int32), live, num_experts)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - 1 + seen[None, :]  # (BLOCK, E): the row of each pair
-        row = tl.sum(onehot * rank, axis=1)
-        tl.store(inv_ptr + p, row, mask=live)
-        tl.store(token_of_ptr + row, p // top_k, mask=live)
-        seen += tl.sum(onehot, axis=0)
-    tiles = tl.where(e_mask, (counts + BLOCK_M - 1) // BLOCK_M, 0)
-    tiles_end = tl.cumsum(tiles, axis=0)
-    tl.store(tile_first_ptr + experts, tiles_end - tiles, mask=e_mask)
-    for t0 in range(0, max_tiles, BLOCK):
-        t = t0 + tl.arange(0, BLOCK)
-        # the expert of tile t: the experts whose tiles end at or before it (-1: a spare tile)
-        e_of = tl.sum(((tiles_end[None, :] <= t[:, None]) & e_mask[None, :]).to(tl.int32), axis=1)
-        tl.store(tile_expert_ptr + t, tl.where(e_of < num_experts, e_of, -1), mask=t < max_tiles)
+        seen += _place_pairs(ids_ptr, token_of_ptr, inv_ptr, p0, num_pairs, num_experts, top_k, seen, experts,
+                             BLOCK)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _route_count_kernel(ids_ptr, counts_ptr, num_pairs, num_experts, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
+    """Parallel routing, step 1 of 3: counts[b, e] = the pairs of block b (BLOCK pairs) in bucket e."""
+    b = tl.program_id(0)
+    experts = tl.arange(0, E_BLOCK)
+    tl.store(counts_ptr + b * E_BLOCK + experts, _bucket_counts(ids_ptr, b * BLOCK, num_pairs, num_experts,
+                                                                experts, BLOCK))
+
+
+@triton.jit(do_not_specialize=["num_blocks", "max_tiles"])
+def _route_scan_kernel(counts_ptr, offs_ptr, tile_expert_ptr, tile_first_ptr, num_blocks, num_experts, max_tiles,
+                       SCAN: tl.constexpr, BLOCK: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Step 2 of 3, one program: counts[b, e] becomes the pairs of bucket e in the blocks before b
+    (an exclusive scan down the blocks, SCAN blocks at a time), and the totals give the offsets
+    and the row tiles."""
+    experts = tl.arange(0, E_BLOCK)
+    rows = tl.arange(0, SCAN)
+    carry = tl.zeros([E_BLOCK], dtype=tl.int32)
+    for b0 in range(0, num_blocks, SCAN):
+        ptrs = counts_ptr + (b0 + rows)[:, None] * E_BLOCK + experts[None, :]
+        m = (b0 + rows < num_blocks)[:, None]
+        c = tl.load(ptrs, mask=m, other=0)
+        tl.store(ptrs, tl.cumsum(c, axis=0) - c + carry[None, :], mask=m)
+        carry += tl.sum(c, axis=0)
+    _store_offs_and_tiles(carry, experts, offs_ptr, tile_expert_ptr, tile_first_ptr, num_experts, max_tiles,
+                          BLOCK, BLOCK_M)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _route_place_kernel(ids_ptr, counts_ptr, offs_ptr, token_of_ptr, inv_ptr, num_pairs, num_experts, top_k,
+                        BLOCK: tl.constexpr, E_BLOCK: tl.constexpr):
+    """Step 3 of 3: block b's pairs to their rows, after bucket e's start and the earlier blocks'
+    pairs of e. The bucket of ids out of range starts at offs[num_experts], past every expert."""
+    b = tl.program_id(0)
+    experts = tl.arange(0, E_BLOCK)
+    start = tl.load(offs_ptr + experts, mask=experts <= num_experts, other=0)
+    before = tl.load(counts_ptr + b * E_BLOCK + experts)
+    _place_pairs(ids_ptr, token_of_ptr, inv_ptr, b * BLOCK, num_pairs, num_experts, top_k, start + before,
+                 experts, BLOCK)
 
 
 @triton.jit
@@ -489,9 +554,10 @@ DIRECT_MAX_PAIRS = 32
 # at 1,024 tokens, 142 rows per expert, 798 vs 688)
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
 # Up to this many routed pairs the routing is one Triton program (`_route_kernel`, one SM, two
-# passes over the pairs: serial); beyond, torch's sort and scans (some twenty launches). H200,
-# granite-4.0-tiny (62 experts, top 6), in CUDA graphs (kernels/moe-routing-kernel-vs-torch.json):
-# 7 vs 38 us at 96 pairs, 46 vs 62 at 1,536, 89 vs 66 at 3,072
+# passes over the pairs: serial); beyond, three kernels over blocks of pairs. H200, granite-4.0-tiny
+# (62 experts, top 6), in CUDA graphs (kernels/moe-routing-kernel-vs-torch.json), the one program
+# against torch's sort and scans (before the three kernels): 7 vs 38 us at 96 pairs, 46 vs 62 at
+# 1,536, 89 vs 66 at 3,072
 ROUTE_KERNEL_MAX_PAIRS = 2048
 # FP8 experts take torch._scaled_grouped_mm from this many routed rows per expert, below it our
 # weight-only grouped GEMM (half the weight bytes, no activation quantization). H200, granite-4.0-tiny,
@@ -538,8 +604,8 @@ def _direct_moe(x, w1, w2, topk_weights, topk_ids, out, add, as_partials=False, 
 @dataclass(frozen=True)
 class _Routing:
     """The (token, k) pairs sorted by expert, and the row tiles of block_m rows over them.
-    token_of (M,) int32: source token of each sorted row; inv (M,) int32/int64: sorted row of
-    each pair, in (token, k) order; offs (E + 1,) int32/int64: expert e owns sorted rows
+    token_of (M,) int32: source token of each sorted row; inv (M,) int32: sorted row of
+    each pair, in (token, k) order; offs (E + 1,) int32: expert e owns sorted rows
     offs[e]:offs[e + 1]; tile_expert (max_tiles,) int32: the expert of each row tile (-1 =
     spare: the grid is sized for the worst case); tile_first (E,) int32: each expert's first
     tile. Tiles never straddle two experts."""
@@ -554,39 +620,35 @@ class _Routing:
 
 
 def _route(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> _Routing:
-    """Sort the (token, k) pairs by expert and tile them, on the device: one `_route_kernel`
-    launch up to ROUTE_KERNEL_MAX_PAIRS pairs on the Triton path (a decode step's routing was
-    some twenty launches of sorts, searches and scans), torch ops beyond."""
+    """Sort the (token, k) pairs by expert and tile them, on the device (Triton; no host sync):
+    up to ROUTE_KERNEL_MAX_PAIRS pairs one `_route_kernel` program, beyond three kernels over
+    blocks of pairs (count, scan, place). torch's sort, searches and scans took some twenty
+    launches."""
     num_rows = topk_ids.numel()
     # sum_e ceil(c_e / BM) <= M / BM + (number of non-empty experts)
     max_tiles = -(-num_rows // block_m) + min(num_experts, num_rows)
     dev = topk_ids.device
-    if use_triton(topk_ids) and num_rows <= ROUTE_KERNEL_MAX_PAIRS:
-        token_of = torch.empty(num_rows, dtype=torch.int32, device=dev)
-        inv = torch.empty(num_rows, dtype=torch.int32, device=dev)
-        offs = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
-        tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
-        tile_first = torch.empty(num_experts, dtype=torch.int32, device=dev)
-        e_block = next_power_of_2(num_experts + 1)  # one bucket past the experts: ids out of range
-        _route_kernel[(1,)](topk_ids.reshape(-1), token_of, inv, offs, tile_expert, tile_first,
-                            num_rows, num_experts, topk_ids.shape[1], max_tiles,
-                            BLOCK=max(16, min(128, 8192 // e_block)), E_BLOCK=e_block, BLOCK_M=block_m)
-        return _Routing(token_of, inv, offs, tile_expert, tile_first, max_tiles, block_m)
+    ids = topk_ids.reshape(-1)
+    token_of = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    inv = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    offs = torch.empty(num_experts + 1, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    tile_first = torch.empty(num_experts, dtype=torch.int32, device=dev)
+    e_block = next_power_of_2(num_experts + 1)  # one bucket past the experts: ids out of range
+    block = max(16, min(128, 8192 // e_block))  # a (pairs x buckets) one-hot tile of at most 8,192
     top_k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    experts = torch.arange(num_experts + 1, device=dev, dtype=sorted_ids.dtype)
-    offs = torch.searchsorted(sorted_ids, experts)  # (E + 1,)
-    token_of = (order // top_k).to(torch.int32)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=dev)
-    counts = offs[1:] - offs[:-1]
-    tiles = (counts + block_m - 1) // block_m
-    tiles_end = torch.cumsum(tiles, 0)
-    ids = torch.arange(max_tiles, device=dev, dtype=tiles_end.dtype)
-    tile_expert = torch.searchsorted(tiles_end, ids, right=True)
-    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
-    return _Routing(token_of, inv, offs, tile_expert, (tiles_end - tiles).to(torch.int32), max_tiles, block_m)
+    if num_rows <= ROUTE_KERNEL_MAX_PAIRS:
+        _route_kernel[(1,)](ids, token_of, inv, offs, tile_expert, tile_first, num_rows, num_experts, top_k,
+                            max_tiles, BLOCK=block, E_BLOCK=e_block, BLOCK_M=block_m)
+    else:
+        num_blocks = triton.cdiv(num_rows, block)
+        counts = torch.empty(num_blocks, e_block, dtype=torch.int32, device=dev)
+        _route_count_kernel[(num_blocks,)](ids, counts, num_rows, num_experts, BLOCK=block, E_BLOCK=e_block)
+        _route_scan_kernel[(1,)](counts, offs, tile_expert, tile_first, num_blocks, num_experts, max_tiles,
+                                 SCAN=max(1, 4096 // e_block), BLOCK=block, E_BLOCK=e_block, BLOCK_M=block_m)
+        _route_place_kernel[(num_blocks,)](ids, counts, offs, token_of, inv, num_rows, num_experts, top_k,
+                                           BLOCK=block, E_BLOCK=e_block)
+    return _Routing(token_of, inv, offs, tile_expert, tile_first, max_tiles, block_m)
 
 
 def grouped_gemm_config(avg_rows: float, gated: bool, on_gpu: bool,

@@ -178,14 +178,15 @@ def _route_reference(ids, num_experts, block_m):
 
 @pytest.mark.parametrize("num_tokens, top_k, num_experts, block_m", [
     (1, 1, 1, 16), (3, 2, 5, 16), (37, 6, 62, 16), (200, 6, 62, 32), (90, 2, 256, 64), (700, 6, 8, 128)])
-@pytest.mark.parametrize("kernel", [True, False])
-def test_route_sorts_pairs_stably_and_tiles_them(num_tokens, top_k, num_experts, block_m, kernel, monkeypatch):
-    """Both routing paths (the one-program `_route_kernel`, torch's sort beyond
-    ROUTE_KERNEL_MAX_PAIRS pairs) against a plain-Python counting sort: skewed loads, experts
-    with no pair, more pairs than one block of the kernel's loop (700 x 6)."""
+@pytest.mark.parametrize("one_program", [True, False])
+def test_route_sorts_pairs_stably_and_tiles_them(num_tokens, top_k, num_experts, block_m, one_program, monkeypatch):
+    """Both routing paths (the one-program `_route_kernel`; count, scan and place over blocks of
+    pairs beyond ROUTE_KERNEL_MAX_PAIRS) against a plain-Python counting sort: skewed loads,
+    experts with no pair, more pairs than one block (700 x 6), more blocks than one step of the
+    scan (90 x 2 over 256 experts: blocks of 16 pairs, 8 blocks a step)."""
     from mambaserve.ops import moe
 
-    monkeypatch.setattr(moe, "ROUTE_KERNEL_MAX_PAIRS", 10**9 if kernel else 0)
+    monkeypatch.setattr(moe, "ROUTE_KERNEL_MAX_PAIRS", 10**9 if one_program else 0)
     popularity = torch.rand(num_experts) ** 4 + 1e-3
     popularity[torch.randperm(num_experts)[: num_experts // 3]] = 0.0
     if not popularity.count_nonzero() >= top_k:
@@ -199,15 +200,18 @@ def test_route_sorts_pairs_stably_and_tiles_them(num_tokens, top_k, num_experts,
     assert r.max_tiles == len(tile_expert) and r.block_m == block_m
 
 
-def test_route_kernel_sorts_ids_out_of_range_past_every_expert():
-    """A padding row's routing may hold any id: the one-program routing gives such pairs rows
-    past every expert's (no tile reads them), so no real pair loses its row."""
+@pytest.mark.parametrize("one_program", [True, False])
+def test_route_sorts_ids_out_of_range_past_every_expert(one_program, monkeypatch):
+    """A padding row's routing may hold any id: both routing paths give such pairs rows past
+    every expert's (no tile reads them), so no real pair loses its row."""
     from mambaserve.ops import moe
 
+    monkeypatch.setattr(moe, "ROUTE_KERNEL_MAX_PAIRS", 10**9 if one_program else 0)
     E, block_m = 8, 16
-    ids = torch.randint(0, E, (40, 3), dtype=torch.int32)
+    ids = torch.randint(0, E, (300, 3), dtype=torch.int32)  # 900 pairs: 8 blocks of 128
     ids[5] = torch.tensor([-1, E, 2], dtype=torch.int32)
     ids[17, 1] = 1000
+    ids[250, 2] = -7  # in another block
     with ops.backend("triton"):
         r = moe._route(ids.to(DEVICE), E, block_m)
     flat = ids.reshape(-1).tolist()
