@@ -554,11 +554,11 @@ DIRECT_MAX_PAIRS = 32
 # at 1,024 tokens, 142 rows per expert, 798 vs 688)
 GROUPED_MM_MIN_ROWS_PER_EXPERT = 64
 # Up to this many routed pairs the routing is one Triton program (`_route_kernel`, one SM, two
-# passes over the pairs: serial); beyond, three kernels over blocks of pairs. H200, granite-4.0-tiny
-# (62 experts, top 6), in CUDA graphs (kernels/moe-routing-kernel-vs-torch.json), the one program
-# against torch's sort and scans (before the three kernels): 7 vs 38 us at 96 pairs, 46 vs 62 at
-# 1,536, 89 vs 66 at 3,072
-ROUTE_KERNEL_MAX_PAIRS = 2048
+# passes over the pairs: serial); beyond, three kernels over blocks of pairs (9 us flat up to 6,144
+# pairs, 72 us at 189,000). H200, granite-4.0-tiny (62 experts, top 6), in CUDA graphs
+# (kernels/moe-routing-one-program-vs-three-kernels.json): 6.0 vs 8.8 us at 96 pairs, 11.2 vs 8.7
+# at 384. torch's sort and scans, before: 38-108 us (kernels/moe-routing-kernel-vs-torch.json)
+ROUTE_KERNEL_MAX_PAIRS = 256
 # FP8 experts take torch._scaled_grouped_mm from this many routed rows per expert, below it our
 # weight-only grouped GEMM (half the weight bytes, no activation quantization). H200, granite-4.0-tiny,
 # in CUDA graphs (benchmarks/results/h200/fp8/moe-paths-granite-4.0-tiny.json): 161 vs 172 us at
