@@ -24,8 +24,9 @@ weights, which hold one linear per expert). A matched module that cannot run FP8
 nn.Linear such as a router, or a layer whose weight another op reads raw:
 `supports_fp8 = False`) stays in the model dtype, and the loader dequantizes its checkpoint
 weight into it. Linear layers run `ops.fp8_linear`; experts `ops.fused_moe` with per-row
-scales (weight-only FP8 there: the expert kernels take the activations in the model dtype,
-so a static expert input_scale is not used). After loading, every weight scale is widened to
+scales: weight-only FP8 below 32 routed rows per expert, and from there on Hopper FP8 x FP8
+with the activations quantized per row at run time (dynamic scales: a static expert
+input_scale is loaded but not used). After loading, every weight scale is widened to
 one per output row (exact: a per-tensor scale repeated), the layout the kernels take.
 """
 
