@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         mod.register(sub)
     for leaf in _leaves(parser):
+        # no prefix matching: `--prompt x` must not read a file named x through --prompts-file
+        leaf.allow_abbrev = False
         if "--log-level" not in leaf._option_string_actions and "rest" not in {a.dest for a in leaf._actions}:
             leaf.add_argument("--log-level", default=argparse.SUPPRESS, type=str.upper,
                               choices=["CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG"],

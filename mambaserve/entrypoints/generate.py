@@ -49,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
 
     prompts = list(args.prompts)
     if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.prompts_file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as e:
+            sys.exit(f"mambaserve generate: cannot read --prompts-file {args.prompts_file!r}: {e.strerror}")
     if not prompts:
         prompts = ["def fibonacci(n):"]
     params = sampling_params_from_args(args)

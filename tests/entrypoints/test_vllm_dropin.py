@@ -179,6 +179,18 @@ def test_cli_version_log_level_after_subcommand_and_subcommand_usage(capsys):
         assert why in capsys.readouterr().err
 
 
+def test_cli_takes_no_flag_prefixes_and_reports_an_unreadable_prompts_file(tmp_path, capsys):
+    """`--prompt x` once matched --prompts-file by prefix and died in a traceback opening x."""
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "hi"])
+    assert "unrecognized arguments: --prompt" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", MODEL, "--max-model", "64"])  # --max-model-len, abbreviated
+    missing = tmp_path / "no-such-prompts.txt"
+    with pytest.raises(SystemExit, match="cannot read --prompts-file .*no-such-prompts.txt"):
+        main(["generate", "--prompts-file", str(missing), "--max-tokens", "1"])
+
+
 def test_uds_server_subprocess_logs_summary_and_stops_cleanly(tmp_path):
     sock = tmp_path / "vllm.sock"
     argv = vllm_line("vllm serve {MODEL} --uds {S} --api-key {KEY} --max-model-len 512", S=sock, KEY=KEY)
