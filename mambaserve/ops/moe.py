@@ -1,8 +1,10 @@
 """Mixture of experts: ops `fused_moe` (route, two grouped matrix products, weighted combine),
 `topk_softmax` and `router_topk` (the routers), their Triton kernels and launchers.
 
-The routed (token, expert) pairs are sorted by expert once (a stable sort, so the result does
-not depend on thread timing); each expert's rows are then a contiguous slice and both expert
+The routed (token, expert) pairs are sorted by expert once, on the device (a stable counting
+sort in Triton: one program for a few pairs, count / scan / place kernels over blocks of pairs
+beyond; the result does not depend on thread timing); each expert's rows are then a contiguous
+slice and both expert
 layers are grouped matrix products over those slices:
 - `torch._grouped_mm` (CUTLASS) on CUDA bfloat16 when the installed torch has it and the sizes
   meet its 16-byte stride rule, with a small Triton kernel for silu(gate) * up between them;
