@@ -116,7 +116,19 @@ def init_tensor_parallel(rank: int, world_size: int, *, local_rank: int, device_
     return group
 
 
-def destroy_tensor_parallel() -> None:
-    """Leave the torch.distributed world (a no-op outside one)."""
+def destroy_tensor_parallel(group: TensorParallelGroup | None = None) -> None:
+    """Leave the torch.distributed world (a no-op outside one) and let go of `group`'s process
+    groups, so that they end (their threads joined) now, while the interpreter is alive.
+
+    `dist.destroy_process_group` only unregisters the groups: a Gloo group that a layer or an
+    executor still references keeps its worker threads until the interpreter finalizes, and a
+    thread that then drops its last collective's tensors needs the GIL, which finalization no
+    longer hands out: the process aborts ("terminate called without an active exception"). The
+    group is a frozen dataclass shared by every layer; its fields are cleared in place, so a
+    collective on it afterwards fails (torch.distributed is not initialized) instead of hanging.
+    """
     if dist.is_initialized():
         dist.destroy_process_group()
+    if group is not None:
+        object.__setattr__(group, "device_group", None)
+        object.__setattr__(group, "host_group", None)

@@ -73,7 +73,7 @@ class _World:
                 share(_EXIT, self.group)
             except RuntimeError as e:  # a worker already gone (Gloo: connection closed): nothing to tell it
                 logger.warning("tensor-parallel exit message not delivered: %s", e)
-        destroy_tensor_parallel()
+        destroy_tensor_parallel(self.group)
         if self.workers is not None:
             self.workers.stop(timeout if tell else 0.0)
 
@@ -139,7 +139,7 @@ class TensorParallelExecutor:
             try:
                 serve(group)
             finally:
-                destroy_tensor_parallel()
+                destroy_tensor_parallel(group)
             raise SystemExit(0)
         return _World(group, device_type, workers)
 
@@ -212,4 +212,4 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve(group)
     finally:
-        destroy_tensor_parallel()
+        destroy_tensor_parallel(group)

@@ -46,3 +46,35 @@ def test_one_process_collectives_are_the_identity():
     assert broadcast_object({"a": 1}, SINGLE) == {"a": 1} and min_over_ranks(7, SINGLE) == 7
     with pytest.raises(ValueError):
         TensorParallelGroup(rank=2, world_size=2)
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="thread names from Linux's /proc")
+def test_leaving_the_world_ends_the_gloo_threads_while_the_group_is_still_referenced():
+    """A group a layer still holds must not keep Gloo's threads into interpreter finalization,
+    where the last collective's tensors, dropped on such a thread, abort the process. A one-rank
+    world in a subprocess (torch.distributed is once per process)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from mambaserve.distributed.launch import free_local_port
+
+    script = textwrap.dedent(f"""
+        import os
+        from mambaserve.distributed import broadcast_object, destroy_tensor_parallel, init_tensor_parallel
+
+        def gloo_threads():
+            names = [open(f"/proc/self/task/{{t}}/comm").read() for t in os.listdir("/proc/self/task")]
+            return sum("gloo" in n for n in names)
+
+        group = init_tensor_parallel(0, 1, local_rank=0, device_type="cpu",
+                                     init_method="tcp://127.0.0.1:{free_local_port()}")
+        assert broadcast_object("step", group) == "step"
+        before = gloo_threads()
+        destroy_tensor_parallel(group)
+        print(before, gloo_threads(), group.device_group, group.host_group)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    before, after, device_group, host_group = out.stdout.split()
+    assert int(before) > 0 and (int(after), device_group, host_group) == (0, "None", "None")
