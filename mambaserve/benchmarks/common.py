@@ -102,9 +102,11 @@ def memory_record(llm) -> dict:
 def format_memory(rec: dict) -> str:
     """One line for humans: 'peak GPU memory 21.4 GiB (weights 13.6, state caches 2.1, KV 4.0 GiB)'."""
     gib = 2**30
+    checkpoints = rec.get("state_checkpoint_bytes", 0)
     parts = (f"weights {rec.get('weights_bytes', 0) / gib:.2f}, state caches "
              f"{rec.get('state_cache_bytes', 0) / gib:.2f}, "
-             f"KV cache {rec.get('kv_cache_bytes', 0) / gib:.2f} GiB")
+             + (f"prefix-cache state checkpoints {checkpoints / gib:.2f}, " if checkpoints else "")
+             + f"KV cache {rec.get('kv_cache_bytes', 0) / gib:.2f} GiB")
     if "peak_gpu_allocated_bytes" in rec:
         return f"peak GPU memory {rec['peak_gpu_allocated_bytes'] / gib:.2f} GiB ({parts})"
     return f"engine memory: {parts}"

@@ -26,6 +26,8 @@ The rules, in order:
   blocks so cut would not hold one max_model_len sequence, the checkpoints yield: the blocks
   are sized as without caching and the checkpoints take what is left (a forced number: the
   blocks' ValueError).
+- No checkpoint is kept when mamba_block_size is at least max_model_len: no prompt reaches a
+  checkpoint position and still has a token left to compute, so their rows would never be used.
 """
 
 from __future__ import annotations
@@ -80,16 +82,23 @@ def size_pools(
     *,
     enable_prefix_caching: bool = False,
     num_state_checkpoints: int | None = None,
+    mamba_block_size: int | None = None,
     **kw,
 ) -> PoolSizes:
     """Size the state slots, KV blocks and (enable_prefix_caching) state checkpoints to a
     memory budget (rules: module docstring). kw: `_size_running_pools`'s arguments, which say
     what they mean and the ValueErrors raised. num_state_checkpoints: the checkpoint rows (None:
-    the budget's share)."""
+    the budget's share). mamba_block_size: tokens between checkpoint positions (None: not
+    checked against max_model_len)."""
     sizes = _size_running_pools(**kw)
     slot_bytes = kw["slot_bytes"]
     if not enable_prefix_caching or slot_bytes <= 0 or num_state_checkpoints == 0:
         return sizes
+    if mamba_block_size is not None and mamba_block_size >= sizes.max_model_len:
+        note = (logging.WARNING, f"prefix caching: mamba_block_size ({mamba_block_size}) is not below max_model_len "
+                                 f"({sizes.max_model_len}), so no prompt reaches a state checkpoint: none is kept "
+                                 "and no prefix can be resumed; lower mamba_block_size")
+        return PoolSizes(**{**sizes.__dict__, "notes": (*sizes.notes, note)})
     budget, block_bytes = kw["budget_bytes"], kw["block_bytes"]
     reserve = budget // 10 if num_state_checkpoints is None else num_state_checkpoints * slot_bytes
     if kw.get("num_kv_blocks") is None and (block_bytes > 0 or num_state_checkpoints is None):

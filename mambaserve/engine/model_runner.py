@@ -215,7 +215,8 @@ class ModelRunner:
             max_num_batched_tokens=self.max_num_batched_tokens, default_max_num_seqs=cfg.resolved_max_num_seqs(),
             max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len, num_state_slots=cfg.num_state_slots,
             num_kv_blocks=cfg.num_kv_blocks, enable_chunked_prefill=cfg.enable_chunked_prefill, on_gpu=on_gpu,
-            enable_prefix_caching=cfg.enable_prefix_caching, num_state_checkpoints=cfg.num_state_checkpoints)
+            enable_prefix_caching=cfg.enable_prefix_caching, num_state_checkpoints=cfg.num_state_checkpoints,
+            mamba_block_size=cfg.cache_config.resolved_mamba_block_size)
         for level, message in sizes.notes:
             logger.log(level, message)
         self.sizes = sizes
@@ -227,8 +228,8 @@ class ModelRunner:
         self.memory = MemoryUsage(
             weights_bytes=sum(t.numel() * t.element_size() for t in
                               {id(p): p for p in self.model.parameters()}.values()),
-            state_cache_bytes=(self.num_slots + self.num_checkpoints + self.num_verify_rows) * slot_bytes,
-            kv_cache_bytes=self.num_blocks * block_bytes)
+            state_cache_bytes=(self.num_slots + self.num_verify_rows) * slot_bytes,
+            kv_cache_bytes=self.num_blocks * block_bytes, state_checkpoint_bytes=self.num_checkpoints * slot_bytes)
         logger.debug("caches: %d state slots (%.1f MiB each), %d state checkpoints, %d KV blocks of %d tokens",
                      self.num_slots, slot_bytes / 2**20, self.num_checkpoints, self.num_blocks, self.block_size)
 

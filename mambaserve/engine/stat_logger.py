@@ -32,8 +32,10 @@ def log_startup_summary(engine) -> None:
                 sizes.max_num_seqs, sizes.max_num_batched_tokens)
     kv = (f"{sizes.num_blocks} KV blocks of {cfg.block_size} tokens ({mem.kv_cache_bytes / mib:.1f} MiB)"
           if runner.has_attention else "no KV cache (no attention layers)")
-    logger.info("caches: %d state slots (%.1f MiB), %s; weights %.2f GiB", sizes.num_slots,
-                mem.state_cache_bytes / mib, kv, mem.weights_bytes / gib)
+    checkpoints = (f", {sizes.num_checkpoints} prefix-cache state checkpoints every {cfg.cache_config.resolved_mamba_block_size} tokens "
+                   f"({mem.state_checkpoint_bytes / mib:.1f} MiB)" if sizes.num_checkpoints else "")
+    logger.info("caches: %d state slots (%.1f MiB)%s, %s; weights %.2f GiB", sizes.num_slots,
+                mem.state_cache_bytes / mib, checkpoints, kv, mem.weights_bytes / gib)
     capture = runner.graph_capture_seconds
     logger.info("loaded in %.1f s; compilation mode %s%s%s", runner.load_seconds, runner.compilation_mode,
                 f", graphs captured in {capture:.1f} s" if capture is not None else "",

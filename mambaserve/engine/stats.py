@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class MemoryUsage:
-    """Bytes the engine holds for good: the weights (each shared tensor once), the state
-    slots (conv + SSM, the scratch slot included) and the KV blocks."""
+    """Bytes the engine holds for good: the weights (each shared tensor once), the running
+    state slots (conv + SSM; the scratch slot and speculative decoding's verify rows included),
+    the KV blocks and prefix caching's state checkpoints (rows of the same tensors as the slots,
+    0 with caching off)."""
 
     weights_bytes: int
     state_cache_bytes: int
     kv_cache_bytes: int
+    state_checkpoint_bytes: int = 0
 
 
 @dataclass

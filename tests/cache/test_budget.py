@@ -171,3 +171,15 @@ def test_checkpoints_come_after_slots_and_blocks():
     # no attention: slots as without caching, the checkpoints from what they leave
     mamba = sizes(1_000_000, block_bytes=0, max_num_seqs=100, enable_prefix_caching=True)
     assert (mamba.num_slots, mamba.num_blocks, mamba.num_checkpoints) == (101, 0, 256)
+
+
+@pytest.mark.parametrize("mamba_block_size, kept", [(63, 256), (64, 0), (4096, 0)])
+def test_no_checkpoints_when_no_prompt_reaches_one(mamba_block_size, kept):
+    """A checkpoint position must lie before a prompt's last token: at mamba_block_size >=
+    max_model_len none can, so no row is kept (and the running pools are those of caching off)."""
+    off = sizes(1_000_000, max_model_len=64)
+    on = sizes(1_000_000, max_model_len=64, enable_prefix_caching=True, mamba_block_size=mamba_block_size)
+    assert on.num_checkpoints == kept and pools(on) == pools(off)
+    if not kept:
+        assert on.notes[-1][0] == WARNING and f"mamba_block_size ({mamba_block_size}) is not below max_model_len (64)" \
+            in on.notes[-1][1]

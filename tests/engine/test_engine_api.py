@@ -30,7 +30,9 @@ def test_limits_pool_sizes_and_memory(name):
     caches = e.runner.caches
     unique = {p.data_ptr(): p for p in e.runner.model.parameters()}.values()  # tied weights once
     mem = e.memory
-    assert mem.state_cache_bytes == _bytes(t for pair in caches.mamba for t in pair) > 0
+    n = sizes.num_slots  # rows 0 .. n - 1 run requests, the checkpoints follow
+    assert mem.state_cache_bytes == _bytes(t[:n] for pair in caches.mamba for t in pair) > 0
+    assert mem.state_checkpoint_bytes == _bytes(t[n:] for pair in caches.mamba for t in pair)
     assert mem.kv_cache_bytes == (_bytes(t for pair in caches.kv for t in pair) if name == "granite-moe" else 0)
     assert mem.weights_bytes == _bytes(unique)
     assert all(c.shape[0] == sizes.num_slots + sizes.num_checkpoints for c, _ in caches.mamba)  # checkpoints follow
@@ -94,3 +96,15 @@ def test_queue_full_is_its_own_error_and_changes_nothing():
     while e.has_unfinished_requests():
         e.step()
     assert_pools_empty(llm)
+
+
+def test_startup_summary_counts_checkpoints_apart_from_the_running_slots(caplog):
+    from mambaserve.engine.stat_logger import log_startup_summary
+
+    e = make("mamba2-untied", num_state_slots=5, num_state_checkpoints=7, mamba_block_size=8).llm_engine
+    with caplog.at_level("INFO", logger="mambaserve"):
+        log_startup_summary(e)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("caches:"))
+    mib = e.memory.state_cache_bytes / 2**20
+    assert line.startswith(f"caches: 5 state slots ({mib:.1f} MiB), 7 prefix-cache state checkpoints every 8 "
+                           f"tokens ({7 / 5 * mib:.1f} MiB), no KV cache")
