@@ -55,6 +55,10 @@ class StateCheckpointPool:
         """Whether `key` has a row, committed or pending (then a second save is not needed)."""
         return key in self._row_of or key in self._pending
 
+    def is_pending(self, key: bytes) -> bool:
+        """Whether `key` is being written by the step being planned (visible after `commit`)."""
+        return key in self._pending
+
     def reserve(self, key: bytes) -> int | None:
         """A row for the checkpoint `key`, written by the step being planned: a free row, else
         the least recently used committed one (evicted). None when there is no row at all or

@@ -20,7 +20,10 @@ then in the request's slot, and the step copies it out: no second pass): its las
 floor((P - 1) / M) * M (so that a repeat of the prompt resumes there), and its branch point:
 the last boundary at which an earlier prompt was still the same (so that a system prompt
 shared by two requests is resumed by the third). Which boundaries were seen is kept for the
-last `SEEN_BOUNDARIES` boundary keys.
+last `SEEN_BOUNDARIES` boundary keys. A waiting prompt whose prefix a running prefill is
+about to checkpoint beyond its own match (`promised`) is not admitted until that checkpoint
+exists, so that prompts sent together share too: an identical prompt, or the third with a
+system prompt two earlier ones share, resumes there one step later instead of recomputing.
 
 Pure Python: keys, counts and ids; the scheduler drives it and the runner copies the rows.
 """
@@ -141,6 +144,25 @@ class PrefixCache:
                 return PrefixMatch(c, blocks[: c // h] if self.block_pool is not None else None, row)
         return PrefixMatch()
 
+    def planned_keys(self, running) -> set[bytes]:
+        """Keys of the checkpoints running sequences (`Sequence`s: block_hashes,
+        checkpoint_positions, num_computed_tokens) will save in later steps."""
+        return {self.key_at(s.block_hashes, p) for s in running for p in s.checkpoint_positions
+                if p > s.num_computed_tokens}
+
+    def promised(self, hashes: list[bytes], num_tokens: int, start: int, planned: set[bytes]) -> int:
+        """The longest boundary c in (start, (num_tokens - 1) // M * M] at which a checkpoint of
+        this sequence's prefix is on its way: pending in the pool (the step being planned saves
+        it) or among `planned` (`planned_keys`); 0 when none is. hashes: extended to num_tokens."""
+        if not self.has_state:
+            return 0
+        m, pending = self.mamba_block_size, self.checkpoints.is_pending
+        for c in range((num_tokens - 1) // m * m, start, -m):
+            key = self.key_at(hashes, c)
+            if key in planned or pending(key):
+                return c
+        return 0
+
     def plan_checkpoints(self, hashes: list[bytes], start: int, prompt_len: int) -> list[int]:
         """Positions after `start` where the prompt's prefill should end a chunk to take a
         checkpoint (increasing): its branch point and its last boundary (module docstring),
@@ -187,3 +209,16 @@ class PrefixCache:
         self.checkpoints.reset()
         self._seen.clear()
         return True
+
+
+def chunk_end(start: int, positions: list[int], num_new: int, min_inner_save_offset: int | None) -> int:
+    """The tokens of a prefill chunk from `start` given its sequence's checkpoint positions
+    (sorted, all after start): num_new, or fewer to end at the first position the layers cannot
+    save inside the chunk (closer to start than `min_inner_save_offset`, or every position when
+    it is None: they cannot save inside one)."""
+    for p in positions:
+        if p >= start + num_new:
+            break
+        if min_inner_save_offset is None or p - start < min_inner_save_offset:
+            return p - start
+    return num_new

@@ -220,8 +220,7 @@ class ModelRunner:
         for level, message in sizes.notes:
             logger.log(level, message)
         self.sizes = sizes
-        self.num_slots, self.num_blocks = sizes.num_slots, sizes.num_blocks
-        self.num_checkpoints = sizes.num_checkpoints
+        self.num_slots, self.num_blocks, self.num_checkpoints = sizes.num_slots, sizes.num_blocks, sizes.num_checkpoints
         self.max_num_seqs, self.max_model_len = sizes.max_num_seqs, sizes.max_model_len
         self.scratch_slot = sizes.scratch_slot  # reserved: padding rows of CUDA graphs
         # bytes of what the engine holds for good (reported by `generate` and the benchmarks)

@@ -19,7 +19,9 @@ Policy of `schedule()`, one step at a time, under a budget of `max_num_batched_t
    0, it becomes WAITING at the front of the waiting queue and is listed in `preempted`. Its
    outputs so far are kept; later it is prefilled again over prompt + outputs.
 3. Admission. If nothing was preempted in this step, waiting sequences are admitted in FIFO
-   order while budget, `max_num_seqs`, state slots and KV blocks allow. An admitted sequence
+   order while budget, `max_num_seqs`, state slots and KV blocks allow; with prefix caching, one
+   whose prefix a running prefill is about to checkpoint is passed over (it keeps its place)
+   until the checkpoint exists. An admitted sequence
    gets a state slot and the blocks of its first chunk: min(uncomputed, budget left) tokens
    with chunked prefill; without it, the whole prefill or nothing (a prefill that does not fit
    the budget left waits, and so does everyone behind it). Admission never preempts.
@@ -56,9 +58,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mambaserve.cache.block_pool import BlockPool
-from mambaserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch
+from mambaserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixMatch, chunk_end
 from mambaserve.cache.state_pool import StateSlotPool
 from mambaserve.engine.sequence import Sequence, SequenceStatus
+
+MAX_PASSED_OVER = 32  # waiting sequences a step passes over (a match each); admission then waits with them
 
 
 @dataclass
@@ -225,14 +229,22 @@ class Scheduler:
                 scheduled_ids.add(id(seq))
                 budget -= num_new
 
+        planned: set[bytes] | None = None  # keys of the checkpoints running prefills will save
+        i = 0  # waiting[:i] wait for a checkpoint on its way (`PrefixCache.promised`)
         while (
             not preempted
-            and self.waiting
+            and i < min(len(self.waiting), MAX_PASSED_OVER)
             and budget > 0
             and len(self.running) < self.max_num_seqs
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
             match = self._match(seq)
+            if self.prefix_cache is not None and seq.sampling_params.prompt_logprobs is None:
+                # a checkpoint of its prefix beyond `match` is on its way: admitted once it exists
+                planned = self.prefix_cache.planned_keys(self.running) if planned is None else planned
+                if self.prefix_cache.promised(seq.block_hashes, seq.num_tokens, match.num_tokens, planned):
+                    i += 1
+                    continue
             remaining = seq.num_tokens - match.num_tokens
             if remaining <= budget:
                 num_new = remaining
@@ -240,10 +252,12 @@ class Scheduler:
                 num_new = budget
             else:
                 break
-            num_new = self._admit(seq, num_new, match)
+            num_new = self._admit(seq, num_new, match, i)
             if not num_new:
                 break
             scheduled.append(self._with_saves(ScheduledSequence(seq, num_new, load_checkpoint=match.checkpoint_row)))
+            if planned is not None:  # its positions beyond this chunk (those inside are pending now)
+                planned |= self.prefix_cache.planned_keys([seq])
             scheduled_ids.add(id(seq))
             budget -= num_new
 
@@ -270,8 +284,8 @@ class Scheduler:
         seq.block_table.extend(self.block_pool.allocate(missing))
         return True
 
-    def _admit(self, seq: Sequence, num_new: int, match: PrefixMatch) -> int:
-        """Move the head of the waiting queue to running with a slot, its matched prefix (the
+    def _admit(self, seq: Sequence, num_new: int, match: PrefixMatch, index: int = 0) -> int:
+        """Move waiting[index] (seq) to running with a slot, its matched prefix (the
         cached blocks, shared) and its first chunk's blocks: num_new tokens, or fewer to end at
         its first checkpoint position. Returns the chunk's tokens; 0 (nothing taken) if the
         slot or the blocks are short. Counts the prefix-cache query."""
@@ -281,7 +295,7 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is not None:
             seq.checkpoint_positions = cache.plan_checkpoints(seq.block_hashes, match.num_tokens, seq.num_prompt_tokens)
-            num_new = self._chunk_end(match.num_tokens, seq.checkpoint_positions, num_new)
+            num_new = chunk_end(match.num_tokens, seq.checkpoint_positions, num_new, self.min_inner_save_offset)
         cached = match.blocks or []
         if self.block_pool is not None and not self.block_pool.can_allocate(
             self.block_pool.blocks_needed(match.num_tokens + num_new) - len(cached), reusing=cached
@@ -296,7 +310,7 @@ class Scheduler:
         ok = self._grow_blocks(seq, match.num_tokens + num_new)
         assert ok
         seq.state_slot = self.slot_pool.allocate()
-        self.waiting.popleft()
+        del self.waiting[index]
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         if cache is not None:
@@ -324,23 +338,11 @@ class Scheduler:
 
     def _to_checkpoint(self, seq: Sequence, num_new: int) -> int:
         """num_new, cut so that the chunk ends at the sequence's next checkpoint position that
-        the forward cannot save inside the chunk (`_chunk_end`)."""
+        the forward cannot save inside the chunk (`chunk_end`)."""
         start, positions = seq.num_computed_tokens, seq.checkpoint_positions
         while positions and positions[0] <= start:
             positions.pop(0)
-        return self._chunk_end(start, positions, num_new)
-
-    def _chunk_end(self, start: int, positions: list[int], num_new: int) -> int:
-        """The tokens of a chunk from `start` given its sequence's checkpoint positions (sorted,
-        all after start): num_new, or fewer to end at the first position the layers cannot
-        save inside the chunk (closer to start than `min_inner_save_offset`, or every position
-        when they cannot save inside one)."""
-        for p in positions:
-            if p >= start + num_new:
-                break
-            if self.min_inner_save_offset is None or p - start < self.min_inner_save_offset:
-                return p - start
-        return num_new
+        return chunk_end(start, positions, num_new, self.min_inner_save_offset)
 
     def _with_saves(self, s: ScheduledSequence) -> ScheduledSequence:
         """s with the checkpoint rows its step saves into: one for each checkpoint position

@@ -32,7 +32,8 @@ def log_startup_summary(engine) -> None:
                 sizes.max_num_seqs, sizes.max_num_batched_tokens)
     kv = (f"{sizes.num_blocks} KV blocks of {cfg.block_size} tokens ({mem.kv_cache_bytes / mib:.1f} MiB)"
           if runner.has_attention else "no KV cache (no attention layers)")
-    checkpoints = (f", {sizes.num_checkpoints} prefix-cache state checkpoints every {cfg.cache_config.resolved_mamba_block_size} tokens "
+    every = cfg.cache_config.resolved_mamba_block_size
+    checkpoints = (f", {sizes.num_checkpoints} prefix-cache state checkpoints every {every} tokens "
                    f"({mem.state_checkpoint_bytes / mib:.1f} MiB)" if sizes.num_checkpoints else "")
     logger.info("caches: %d state slots (%.1f MiB)%s, %s; weights %.2f GiB", sizes.num_slots,
                 mem.state_cache_bytes / mib, checkpoints, kv, mem.weights_bytes / gib)

@@ -107,11 +107,12 @@ def test_caching_on_equals_off_and_hits_where_the_rules_say(name):
     assert [run([x[:k] + tail(x[k])])[0][0] for k in (15, 16, 17)] == [0, 8, 16]
     # entirely cached prompts: all but the tail after the last boundary before the last token
     assert [run([x[:n]])[0][0] for n in (33, 16, 17, 25)] == [32, 8, 16, 16]
-    # the same prompt twice in one batch: neither may read what the other is computing
+    # the same prompt twice in one batch: the second waits a step for the first one's checkpoint
     y = toks(19)
-    assert run([y, y]) == [[0], [0]] and run([y]) == [[16]]
-    # n = 2, seeded sampling: both siblings resume from the system prompt's checkpoint
-    assert run([system + toks(4)], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6)) == [[16, 16]]
+    assert run([y, y]) == [[0], [16]] and run([y]) == [[16]]
+    # n = 2, seeded sampling: the first sibling resumes from the system prompt's checkpoint, the
+    # second waits a step for the first one's checkpoint at its last boundary
+    assert run([system + toks(4)], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=6)) == [[16, 24]]
     assert_stats_match(llm, cached, queried)
     # prompt logprobs need every prompt row: such a request matches nothing and gets caching off's values
     params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2)

@@ -87,21 +87,74 @@ def test_shared_system_prompt_hits_from_the_third_request():
     assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 0, 16)
 
 
-def test_same_prompt_twice_in_one_step_neither_hits_and_one_checkpoint_is_taken():
+def test_same_prompt_twice_in_one_step_the_second_waits_for_the_first_ones_checkpoint():
     sched = make(budget=256)
     p = list(range(1, 20))
     a, b = seq("a", p), seq("b", p)
     sched.add(a)
     sched.add(b)
+    out = sched.schedule()  # b would recompute what a's chunk saves at 16: it waits a step
+    assert [(i.seq, i.num_new_tokens, i.load_checkpoint) for i in out.scheduled] == [(a, 16, None)]
+    row = out.scheduled[0].save_checkpoint
+    assert row is not None and list(sched.waiting) == [b]
+    engine_update(sched, out)
     out = sched.schedule()
-    assert [(i.num_new_tokens, i.load_checkpoint) for i in out.scheduled] == [(16, None), (19, None)]  # b: kept already
-    assert [i.save_checkpoint is not None for i in out.scheduled] == [True, False]
+    assert [(i.seq, i.num_new_tokens, i.load_checkpoint) for i in out.scheduled] == [(a, 3, None), (b, 3, row)]
     while sched.has_unfinished():
         engine_update(sched, out)
         out = sched.schedule()
-    c = seq("c", p)
-    run_one(sched, c)
+    assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 16)
+
+
+def test_a_shared_system_prompt_sent_three_times_at_once_hits_on_the_third():
+    """a and b are admitted together (b checkpoints their branch point 16, a its last boundary
+    24); c waits for b's checkpoint instead of computing the system prompt a third time."""
+    sched = make(budget=256)
+    system = list(range(100, 121))  # 21 tokens
+    a, b, c = (seq(x, system + [200 + 10 * i + j for j in range(6)]) for i, x in enumerate("abc"))
+    for s in (a, b, c):
+        sched.add(s)
+    out = sched.schedule()
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(a, 24), (b, 16)] and list(sched.waiting) == [c]
+    while sched.has_unfinished():
+        engine_update(sched, out)
+        out = sched.schedule()
     assert (a.num_cached_tokens, b.num_cached_tokens, c.num_cached_tokens) == (0, 0, 16)
+
+
+def test_a_waiting_prompt_passed_over_keeps_its_place_and_others_go_ahead():
+    """d shares nothing and is admitted in the step b waits in; b is admitted before e, which
+    came after it, once a's checkpoint exists; prompt logprobs never wait (they match nothing)."""
+    sched = make(budget=256)
+    p = list(range(1, 20))
+    a, b, lp, d = seq("a", p), seq("b", p), seq("lp", p, prompt_logprobs=1), seq("d", list(range(50, 60)))
+    for s in (a, b, lp, d):
+        sched.add(s)
+    out = sched.schedule()
+    assert [i.seq for i in out.scheduled] == [a, lp, d] and list(sched.waiting) == [b]
+    e = seq("e", list(range(70, 75)))
+    sched.add(e)
+    engine_update(sched, out)
+    out = sched.schedule()
+    assert [i.seq for i in out.scheduled][-2:] == [b, e] and out.scheduled[-2].load_checkpoint is not None
+
+
+def test_a_waiting_prompt_is_admitted_when_the_prefill_it_waits_for_is_preempted():
+    sched = make(budget=8, num_blocks=0)  # chunks of 8: a plans its checkpoint at 16 over two steps
+    p = list(range(1, 20))
+    a, b = seq("a", p), seq("b", p)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [i.seq for i in out.scheduled] == [a] and list(sched.waiting) == [b]
+    engine_update(sched, out)
+    sched._preempt(a)  # as the pools would, were they short: a's plan goes with it
+    out = sched.schedule()
+    assert [i.seq for i in out.scheduled] == [a] and list(sched.waiting) == [b]  # a again, ahead of b, b waits
+    while sched.has_unfinished():
+        engine_update(sched, out)
+        out = sched.schedule()
+    assert b.num_cached_tokens == 16
 
 
 def test_prompt_logprobs_never_match_and_blocks_stay_cached_after_abort():
@@ -231,3 +284,19 @@ def test_randomized_prefix_caching_simulation(config, seed, inner):
     assert sched.slot_pool.num_used == 0
     if sched.block_pool is not None:
         assert sched.block_pool.num_used == 0 and sched.block_pool.num_free == num_blocks
+
+
+def test_admission_passes_over_a_bounded_number_of_waiting_prompts():
+    from mambaserve.engine.scheduler import MAX_PASSED_OVER
+
+    sched = make(budget=256, num_slots=64, num_blocks=256, max_num_seqs=64)
+    p = list(range(1, 20))
+    same = [seq(f"s{i}", p) for i in range(MAX_PASSED_OVER + 2)]
+    other = seq("o", list(range(50, 60)))
+    for s in same + [other]:
+        sched.add(s)
+    out = sched.schedule()  # the first computes; the next 32 wait; the rest wait with them
+    assert [i.seq for i in out.scheduled] == [same[0]] and len(sched.waiting) == MAX_PASSED_OVER + 2
+    engine_update(sched, out)
+    out = sched.schedule()
+    assert {i.seq.request_id for i in out.scheduled} >= {"s1", f"s{MAX_PASSED_OVER + 1}", "o"}
