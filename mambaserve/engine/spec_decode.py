@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 import numpy as np
 
@@ -43,25 +44,59 @@ class NgramProposer:
     """Prompt lookup: for n from prompt_lookup_max down to prompt_lookup_min, the last n tokens
     of the sequence are looked up among its earlier tokens; the latest earlier match followed by
     k tokens proposes them (none such: the earliest match, the longest continuation there is).
-    A repeating pattern thus drafts whole periods, not the stub after its last repeat. Plain
-    numpy over the host's token list."""
+    A repeating pattern thus drafts whole periods, not the stub after its last repeat.
+
+    Host cost per call: one comparison over the sequence (where its last token recurs), then
+    only over those candidates for each longer suffix, so a 32k-token sequence costs about what
+    one n-gram's sliding window did (`SpecDecoder` also keeps each sequence's tokens as an
+    array, grown by what it gained, instead of converting the list every step)."""
 
     def __init__(self, prompt_lookup_max: int, prompt_lookup_min: int):
         self.n_max, self.n_min = prompt_lookup_max, prompt_lookup_min
 
-    def propose(self, token_ids: list[int], k: int) -> list[int]:
-        """Up to k drafts continuing token_ids ([] when no n-gram recurs)."""
+    def propose(self, token_ids: list[int] | np.ndarray, k: int) -> list[int]:
+        """Up to k drafts continuing token_ids (a list, or an int64 array: not copied); []
+        when no n-gram recurs."""
         tokens = np.asarray(token_ids, dtype=np.int64)
         total = len(tokens)
-        for n in range(min(self.n_max, total - 1), self.n_min - 1, -1):
-            # windows starting at 0..total-n-1: every n-gram before the final one
-            windows = np.lib.stride_tricks.sliding_window_view(tokens[: total - 1], n)
-            hits = np.flatnonzero((windows == tokens[total - n:]).all(axis=1))
-            if len(hits):
-                full = hits[hits + n + k <= total]  # matches followed by k tokens
-                start = int(full[-1] if len(full) else hits[0]) + n
+        top = min(self.n_max, total - 1)
+        if top < self.n_min:
+            return []
+        # ends[j]: every e <= total - 1 with tokens[e - j : e] equal to the last j tokens (the
+        # n-grams before the final one, by where they end)
+        ends = [None, np.flatnonzero(tokens[: total - 1] == tokens[total - 1]) + 1]
+        for j in range(2, top + 1):
+            e = ends[-1]
+            e = e[e >= j]
+            ends.append(e[tokens[e - j] == tokens[total - j]])
+        for n in range(top, self.n_min - 1, -1):
+            e = ends[n]
+            if len(e):
+                full = e[e + k <= total]  # matches followed by k tokens
+                start = int(full[-1] if len(full) else e[0])
                 return tokens[start : start + k].tolist()
         return []
+
+
+class _TokenArray:
+    """A sequence's token ids as an int64 array, grown by the tokens it gained since the last
+    call (a sequence's tokens are only ever appended)."""
+
+    def __init__(self):
+        self.buf, self.n = np.empty(0, dtype=np.int64), 0
+
+    def of(self, seq: Sequence) -> np.ndarray:
+        total = seq.num_tokens
+        if total < self.n:  # not expected: rebuilt
+            self.n = 0
+        if total > len(self.buf):
+            grown = np.empty(max(total, 2 * len(self.buf)), dtype=np.int64)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        if total > self.n:
+            self.buf[self.n : total] = seq.get_token_ids(self.n, total)
+            self.n = total
+        return self.buf[:total]
 
 
 FORCE_ACCEPT_ENV = "MAMBASERVE_SPEC_FORCE_ACCEPT"
@@ -94,6 +129,7 @@ class SpecDecoder:
         self.forced = None if accept_fraction is None else ForcedAcceptance(accept_fraction)
         self._pending: list[tuple[Sequence, int, int]] = []  # (sequence, its slot, state row to load)
         self._told: set[str] = set()  # reasons for no drafts already logged
+        self._tokens: weakref.WeakKeyDictionary[Sequence, _TokenArray] = weakref.WeakKeyDictionary()  # n-gram
 
     def max_drafts(self, seq: Sequence) -> int:
         """How many drafts seq may verify in its next step (0: none; module docstring)."""
@@ -159,7 +195,10 @@ class SpecDecoder:
     def _propose(self, seq: Sequence, k: int) -> list[int]:
         if self.forced is not None:
             return [seq.last_token_id] * k  # any values: the forced acceptance ignores them
-        return self.proposer.propose(seq.all_token_ids, k)
+        tokens = self._tokens.get(seq)
+        if tokens is None:
+            tokens = self._tokens[seq] = _TokenArray()
+        return self.proposer.propose(tokens.of(seq), k)
 
     def verify(self, result) -> list[tuple[Sequence, int, dict | None]]:
         """The new-token entries of a step's verifying sequences (`StepLogits.verify`), in

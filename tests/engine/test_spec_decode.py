@@ -128,6 +128,45 @@ def test_ngram_proposer():
     assert p.propose([4], 2) == []
 
 
+def _lookup_reference(tokens, k, n_max, n_min):
+    """Prompt lookup by its definition, in plain Python: every earlier start of the last n tokens."""
+    total = len(tokens)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        hits = [s for s in range(total - n) if tokens[s:s + n] == tokens[total - n:]]
+        if hits:
+            full = [s for s in hits if s + n + k <= total]
+            start = (full[-1] if full else hits[0]) + n
+            return tokens[start:start + k]
+    return []
+
+
+def test_ngram_proposer_matches_its_definition_on_random_sequences():
+    import random
+
+    from mambaserve.engine.spec_decode import NgramProposer
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        n_min = rng.randint(1, 4)
+        n_max = rng.randint(n_min, 6)
+        tokens = [rng.randrange(rng.choice([2, 3, 6, 50])) for _ in range(rng.randint(1, 60))]
+        k = rng.randint(1, 6)
+        want = _lookup_reference(tokens, k, n_max, n_min)
+        assert NgramProposer(n_max, n_min).propose(tokens, k) == want, (tokens, k, n_max, n_min)
+
+
+def test_token_array_grows_with_the_sequence():
+    from mambaserve.engine.sequence import Sequence
+    from mambaserve.engine.spec_decode import _TokenArray
+
+    seq = Sequence("r", prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(max_tokens=50))
+    arr = _TokenArray()
+    assert arr.of(seq).tolist() == [5, 6, 7]
+    for t in range(8, 40):
+        seq.output_token_ids.append(t)
+        assert arr.of(seq).tolist() == seq.all_token_ids
+
+
 @pytest.mark.parametrize("spec", [
     {"method": "medusa", "num_speculative_tokens": 2},
     {"method": "ngram", "num_speculative_tokens": 0},
