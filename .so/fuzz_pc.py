@@ -67,17 +67,21 @@ for name in fams:
                 batch.append(batch[0])  # the same prompt twice in one batch
             rounds.append(batch); hist += batch
         mt = rng.choice([4, 9])
-        params = SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True, logprobs=2)
+        if k == 0 and rng.random() < 0.5:
+            params = SamplingParams(temperature=0.9, n=2, seed=seed, max_tokens=mt, ignore_eos=True, logprobs=2)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True, logprobs=2)
         try:
             for batch in rounds:
                 got = gen(llm, batch, params)
                 want = gen(ref_engine(name), batch, params) if False else [gen(ref_engine(name), [p], params)[0] for p in batch]
                 for p, o, w in zip(batch, got, want):
-                    cached_total += o.num_cached_tokens or 0
-                    a, b = o.outputs[0].token_ids, w.outputs[0].token_ids
+                  cached_total += o.num_cached_tokens or 0
+                  for oc, wc in zip(o.outputs, w.outputs):
+                    a, b = oc.token_ids, wc.token_ids
                     if a != b:
                         i = next(j for j in range(min(len(a), len(b))) if a[j] != b[j])
-                        lps = w.outputs[0].logprobs[i]
+                        lps = wc.logprobs[i]
                         vals = sorted((lp.logprob for lp in lps.values()), reverse=True)
                         gap = vals[0] - vals[1] if len(vals) > 1 else 99
                         tag = "tie" if gap < TIE else "BUG"

@@ -5,9 +5,12 @@ Field names follow vLLM's `EngineArgs` so its users find what they expect.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+logger = logging.getLogger("mambaserve")
 
 COMPILATION_MODES = ("eager", "piecewise", "full_and_piecewise")
 # vLLM's names: "fp8" quantizes a checkpoint's weights at load, "compressed-tensors" reads a
@@ -266,6 +269,10 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         self.cache_config  # noqa: B018 - validates block_size and the prefix-caching fields
+        unused = [f"{k}={v}" for k, v in (("mamba_block_size", self.mamba_block_size),
+                                          ("num_state_checkpoints", self.num_state_checkpoints)) if v is not None]
+        if unused and not self.enable_prefix_caching:
+            logger.warning("%s: no effect with prefix caching off", ", ".join(unused))
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.mamba_ssm_cache_dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -70,3 +70,11 @@ def test_cache_config_follows_the_engine_fields_and_checks_mamba_block_size():
         EngineConfig(block_size=16, mamba_block_size=24).cache_config.check_model(has_attention=True)
     EngineConfig(block_size=16, mamba_block_size=24).cache_config.check_model(has_attention=False)
     EngineConfig(block_size=16, mamba_block_size=24, enable_prefix_caching=False).cache_config.check_model(True)
+
+
+def test_prefix_cache_fields_with_caching_off_are_said_to_do_nothing(caplog):
+    with caplog.at_level("WARNING", logger="mambaserve"):
+        EngineConfig(mamba_block_size=64, num_state_checkpoints=3, enable_prefix_caching=False).cache_config  # noqa: B018
+        EngineConfig(mamba_block_size=64)  # caching on: nothing to say
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["mamba_block_size=64, num_state_checkpoints=3: no effect with prefix caching off"]

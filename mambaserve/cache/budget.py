@@ -120,7 +120,7 @@ def size_pools(
     else:
         left = budget - sizes.num_slots * slot_bytes - sizes.num_blocks * block_bytes
         n = max(0, min(left // slot_bytes, max(sizes.max_num_seqs, MIN_CHECKPOINT_CAP)))
-    note = (logging.INFO, f"prefix caching: {n} state checkpoints of {slot_bytes} bytes beside the slots")
+    note = (logging.DEBUG, f"prefix caching: {n} state checkpoints of {slot_bytes} bytes beside the slots")
     if n == 0:
         note = (logging.WARNING, "prefix caching: no room for state checkpoints beside the slots, so no prefix "
                                  "can be resumed; lower max_num_seqs or set num_state_checkpoints")
