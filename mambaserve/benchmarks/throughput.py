@@ -34,6 +34,7 @@ from mambaserve.benchmarks.datasets import (
     build_requests,
 )
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
+from mambaserve.engine.gc_heap import gc_heap_frozen
 
 DATASET_NAMES = (SYNTHETIC, RANDOM, SHAREGPT, PREFIX_REPETITION, MULTI_TURN)
 
@@ -198,8 +199,9 @@ def main(args: argparse.Namespace, llm=None) -> int:
                               tokenizer=tokenizer, input_len=args.input_len, output_len=args.output_len,
                               range_ratio=args.random_range_ratio, seed=args.seed,
                               **dataset_options(args))
-    rec = measure_throughput(llm, requests, use_tqdm=not args.disable_tqdm, num_warmup_prompts=args.num_warmup_prompts,
-                             n=args.n)
+    with gc_heap_frozen():  # as `serve` runs: no full collection walks the engine's start-up objects
+        rec = measure_throughput(llm, requests, use_tqdm=not args.disable_tqdm,
+                                 num_warmup_prompts=args.num_warmup_prompts, n=args.n)
     print_throughput(rec)
     if args.output_json:
         record = {"benchmark": "throughput", "environment": environment_info(device=config.resolved_device()),

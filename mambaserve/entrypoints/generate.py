@@ -7,6 +7,7 @@ import sys
 import time
 
 from mambaserve.engine.arg_utils import add_engine_args, engine_config_from_args
+from mambaserve.engine.gc_heap import gc_heap_frozen
 from mambaserve.sampling_params import SamplingParams
 
 
@@ -59,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)
     llm = LLM.from_config(engine_config_from_args(args))
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    with gc_heap_frozen():
+        outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
     elapsed = time.perf_counter() - start
     n_tokens = 0
     for out in outputs:

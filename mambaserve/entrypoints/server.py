@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mambaserve import __version__
 from mambaserve.engine.arg_utils import engine_config_from_args
+from mambaserve.engine.gc_heap import gc_heap_frozen
 from mambaserve.entrypoints.async_engine import AsyncEngine, EngineError
 from mambaserve.entrypoints.constraints import parse_config
 from mambaserve.entrypoints.http_middleware import (
@@ -285,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
     server = build_server(args)
     if not args.uds and args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("serving on %s without --api-key: anyone who can reach this port can use it", args.host)
-    server.run()
+    with gc_heap_frozen():  # no full collection walks the engine's start-up objects mid-step
+        server.run()
     return 0
 
 
