@@ -63,7 +63,6 @@ def _rounds(rng, tok):
     return rounds
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("name", EVERY_FAMILY)
 def test_random_shapes_and_traffic_equal_caching_off(name, seed):
