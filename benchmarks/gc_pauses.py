@@ -16,7 +16,6 @@ size, not the device, sets the pauses.
 
 import argparse
 import gc
-import json
 import os
 import random
 import subprocess
@@ -27,6 +26,7 @@ sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
 from mambaserve import LLM, SamplingParams  # noqa: E402
+from mambaserve.benchmarks.common import write_json  # noqa: E402
 from mambaserve.engine.gc_heap import gc_heap_frozen  # noqa: E402
 
 
@@ -84,9 +84,7 @@ def main() -> None:
               "device": "cpu", "python": sys.version.split()[0], "commit": os.environ.get("MAMBASERVE_COMMIT", commit),
               "requests": len(prompts) * args.rounds, "output_tokens": params.max_tokens, "runs": runs}
     if args.output:
-        os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.output, record)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ prompt_lookup_min is tried), and the last 5-gram recurs (the first n tried hits)
 """
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -28,6 +27,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.getcwd())
+from mambaserve.benchmarks.common import write_json  # noqa: E402
 from mambaserve.engine.sequence import Sequence  # noqa: E402
 from mambaserve.engine.spec_decode import NgramProposer, _TokenArray  # noqa: E402
 from mambaserve.sampling_params import SamplingParams  # noqa: E402
@@ -104,9 +104,7 @@ def main() -> None:
               "commit": os.environ.get("MAMBASERVE_COMMIT", commit), "k": args.k,
               "prompt_lookup_max": args.lookup_max, "prompt_lookup_min": args.lookup_min, "rows": rows}
     if args.output:
-        os.makedirs(os.path.dirname(args.output) or ".", exist_ok=True)
-        with open(args.output, "w") as f:
-            json.dump(record, f, indent=1)
+        write_json(args.output, record)
 
 
 if __name__ == "__main__":
