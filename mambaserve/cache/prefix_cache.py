@@ -154,7 +154,7 @@ class PrefixCache:
         """The longest boundary c in (start, (num_tokens - 1) // M * M] at which a checkpoint of
         this sequence's prefix is on its way: pending in the pool (the step being planned saves
         it) or among `planned` (`planned_keys`); 0 when none is. hashes: extended to num_tokens."""
-        if not self.has_state:
+        if not self.has_state or not (planned or self.checkpoints.num_pending):
             return 0
         m, pending = self.mamba_block_size, self.checkpoints.is_pending
         for c in range((num_tokens - 1) // m * m, start, -m):

