@@ -26,6 +26,11 @@ from h11._connection import DEFAULT_MAX_INCOMPLETE_EVENT_SIZE
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 DEFAULT_HEADER_TIMEOUT = 10.0
+# uvicorn closes a connection idle this long (seconds) after a response. A client drops idle
+# connections after its own expiry (httpx, and so the openai client: 5 s); when the two are equal a
+# request sent on a connection the client still trusts can meet the server's close and get no
+# response ("Server disconnected"). Longer than the client's, the client always lets go first.
+DEFAULT_KEEP_ALIVE_TIMEOUT = 10.0
 
 
 def error_bytes(status: int, reason: str, message: str, code: str | None = None) -> bytes:

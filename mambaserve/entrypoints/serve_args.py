@@ -15,7 +15,7 @@ import os
 from mambaserve.engine.arg_utils import add_engine_args
 from mambaserve.entrypoints.async_engine import DEFAULT_MAX_BACKLOG_TOKENS
 from mambaserve.entrypoints.http_middleware import DEFAULT_BODY_READ_TIMEOUT, DEFAULT_MAX_BODY_BYTES
-from mambaserve.entrypoints.http_protocol import DEFAULT_HEADER_TIMEOUT
+from mambaserve.entrypoints.http_protocol import DEFAULT_HEADER_TIMEOUT, DEFAULT_KEEP_ALIVE_TIMEOUT
 from mambaserve.entrypoints.tool_parsers import PARSERS as TOOL_PARSERS
 
 
@@ -67,6 +67,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request's whole body may take to arrive (408 after; default %(default)g)")
     g.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
                    help="seconds a request's headers may take to arrive (408 after; default %(default)g)")
+    g.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+                   help="seconds an idle keep-alive connection stays open (default %(default)g: longer than the "
+                        "openai/httpx clients' 5 s, so a client never reuses a connection as it closes; behind a "
+                        "load balancer, longer than its idle timeout)")
     g.add_argument("--max-stream-backlog-tokens", type=int, default=DEFAULT_MAX_BACKLOG_TOKENS,
                    help="generated tokens a streaming client may leave unread before it is dropped and its "
                         "request aborted (default %(default)d)")

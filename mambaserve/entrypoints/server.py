@@ -66,7 +66,6 @@ from mambaserve.entrypoints.serve_args import add_serve_args, read_chat_template
 
 logger = logging.getLogger("mambaserve.server")
 
-KEEP_ALIVE_TIMEOUT = 5  # seconds an idle keep-alive connection stays open
 MAX_HEADER_BYTES = 16 * 1024  # h11's own default, set explicitly: an over-size header block is a 431
 
 
@@ -237,7 +236,7 @@ def build_server(args: argparse.Namespace) -> Server:
         raise ValueError(f"--max-queue-len must be >= 1, got {args.max_queue_len}")
     if args.max_request_body_bytes < 1:
         raise ValueError(f"--max-request-body-bytes must be >= 1, got {args.max_request_body_bytes}")
-    for flag in ("body_read_timeout", "header_timeout"):
+    for flag in ("body_read_timeout", "header_timeout", "timeout_keep_alive"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.max_stream_backlog_tokens < 1:
@@ -275,7 +274,7 @@ def build_server(args: argparse.Namespace) -> Server:
                             root_path=args.root_path or "", ssl_keyfile=args.ssl_keyfile,
                             ssl_certfile=args.ssl_certfile, ssl_ca_certs=args.ssl_ca_certs,
                             ssl_cert_reqs=args.ssl_cert_reqs, timeout_graceful_shutdown=30, http=JsonErrorH11Protocol,
-                            ws="none", timeout_keep_alive=KEEP_ALIVE_TIMEOUT,
+                            ws="none", timeout_keep_alive=args.timeout_keep_alive,
                             h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     config.header_timeout = args.header_timeout  # read by JsonErrorH11Protocol
     return Server(config, async_engine)

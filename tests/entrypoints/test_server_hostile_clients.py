@@ -259,8 +259,36 @@ def test_trickled_headers_idle_bodies_and_silent_connections_time_out(base_url):
 
 def test_keep_alive_and_header_limits_are_set(served):
     config = served[1].config
-    assert config.timeout_keep_alive == 5 and config.h11_max_incomplete_event_size == 16 * 1024
+    assert config.timeout_keep_alive == 10 and config.h11_max_incomplete_event_size == 16 * 1024
     assert config.header_timeout == 1
+
+
+@pytest.mark.parametrize("flag", ["--timeout-keep-alive", "--header-timeout", "--body-read-timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_a_timeout_that_is_not_positive_is_refused_before_the_model_loads(flag, value):
+    from mambaserve.entrypoints.cli import build_parser
+    from mambaserve.entrypoints.server import build_server
+
+    args = build_parser().parse_args(["serve", "/no/such/model", flag, value])
+    with pytest.raises(ValueError, match=f"^{flag} must be > 0, got"):
+        build_server(args)
+
+
+@pytest.mark.slow
+def test_a_connection_the_openai_client_still_pools_is_open(base_url):
+    """The openai client reuses a connection idle for up to its keep-alive expiry (5 s): the
+    server must not close it first, or a request sent on it as it closes gets no response
+    (seen in CI: "Server disconnected without sending a response", the connection's 2nd
+    request, with the server's timeout equal to the client's)."""
+    expiry = pytest.importorskip("openai._constants").DEFAULT_CONNECTION_LIMITS.keepalive_expiry
+    host, port = base_url.removeprefix("http://").split(":")
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(get)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        time.sleep(expiry + 0.5)  # the client has let go of it by now; the server has not
+        s.sendall(get)
+        assert s.recv(65536).startswith(b"HTTP/1.1 200")
 
 
 # ---------------------------------------------------------------------------- 12: API keys
