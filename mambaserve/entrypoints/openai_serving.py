@@ -272,6 +272,8 @@ class OpenAIServing(CompletionServing, ChatServing):
             ids = self._tokenize(item, req.add_special_tokens) if isinstance(item, str) else list(item)
             self._check_prompt(ids, max_tokens, "prompt")
             prompts.append((item if isinstance(item, str) else None, ids))
+        if max_tokens is None:  # null: generation_config's max_new_tokens as for chat (vLLM's), else up to the context
+            max_tokens = self.default_sampling.get("max_tokens")
         echo_top = req.logprobs if req.echo and req.logprobs is not None else None
         params = self._sampling_params(req, max_tokens, req.logprobs, _max_or_none(echo_top, req.prompt_logprobs))
         return Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, req.stream,

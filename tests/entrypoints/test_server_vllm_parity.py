@@ -1,0 +1,53 @@
+"""The server against vLLM's OpenAI server for the same requests: defaults, stream chunks and
+error bodies where the two used to differ.
+
+One server for the module, over a copy of the tiny tokenized checkpoint whose
+generation_config.json sets max_new_tokens (as real checkpoints do), with a short context.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from tests.entrypoints.servers import running_server  # noqa: E402
+from tests.tokenized import tokenized_checkpoint  # noqa: E402
+
+MAX_NEW_TOKENS = 6
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("ckpt") / "tiny"
+    shutil.copytree(tokenized_checkpoint(), ckpt)
+    config = json.loads((ckpt / "generation_config.json").read_text())
+    (ckpt / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": MAX_NEW_TOKENS}))
+    with running_server("--max-model-len", str(MAX_MODEL_LEN), model=str(ckpt)) as (url, _):
+        yield url
+
+
+def _post(base_url, path, body):
+    r = httpx.post(f"{base_url}{path}", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.slow
+def test_completions_max_tokens_null_is_the_generation_config_default(base_url):
+    """vLLM takes "max_tokens": null (OpenAI's API allows it) as the checkpoint's max_new_tokens,
+    capped by the context, on both endpoints; completions used to generate up to the context."""
+    short = {"prompt": "def add(a, b):", "max_tokens": None, "ignore_eos": True, "temperature": 0}
+    assert _post(base_url, "/v1/completions", short)["usage"]["completion_tokens"] == MAX_NEW_TOKENS
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": None, "ignore_eos": True}
+    assert _post(base_url, "/v1/chat/completions", chat)["usage"]["completion_tokens"] == MAX_NEW_TOKENS
+    # a prompt that leaves fewer tokens than the default: it ends at the context, as in vLLM
+    long = {**short, "prompt": [5] * (MAX_MODEL_LEN - 2)}
+    choice = _post(base_url, "/v1/completions", long)
+    assert choice["usage"]["completion_tokens"] == 2 and choice["choices"][0]["finish_reason"] == "length"
