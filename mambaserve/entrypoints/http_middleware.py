@@ -178,14 +178,26 @@ async def unless_disconnected(request: Request, work: Awaitable, on_disconnect: 
     return json_response(200, task.result().model_dump_json())
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool"}
+
+
+def _is_union_tag(x) -> bool:
+    """Whether an error location's element names the member of a union that pydantic tried
+    (`str`, `list[str]`, `literal['none','auto']`, `NamedToolChoice`), not a field: request
+    fields are snake_case and are never a bare type name."""
+    return isinstance(x, str) and (x in _TYPE_TAGS or "[" in x or x[:1].isupper())
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of a request that failed validation: param is the field's path, as
+    OpenAI names it ("prompt", "messages.0.content"), without pydantic's union-member tags."""
     errors = exc.errors()
     if not errors:
         return "invalid request", None
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "), None
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _is_union_tag(x)]
     named = getattr(first.get("ctx", {}).get("error"), "param", None)  # a field a model validator refused
     param = ".".join(loc + ([named] if named else [])) or None
     msgs = []

@@ -51,3 +51,19 @@ def test_completions_max_tokens_null_is_the_generation_config_default(base_url):
     long = {**short, "prompt": [5] * (MAX_MODEL_LEN - 2)}
     choice = _post(base_url, "/v1/completions", long)
     assert choice["usage"]["completion_tokens"] == 2 and choice["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", 1]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "stop": [1]}, "stop"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"1": "x"}}, "logit_bias.1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "any",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+])
+def test_a_wrong_type_names_the_field_as_openai(base_url, path, body, param):
+    """The error's param is the request field's path, as OpenAI's API names it; it used to end
+    in pydantic's tag of the first union member tried ("prompt.str", "tool_choice.literal[...]")."""
+    r = httpx.post(f"{base_url}{path}", json=body, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
