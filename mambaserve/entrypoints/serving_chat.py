@@ -77,8 +77,9 @@ class ChatServing(OutputFormatting):
         calls = [ToolCallStream(job.tools) if job.tools is not None else None for _ in range(job.params.n)]
         finals: dict[int, RequestOutput] = {}
         try:
+            # the role chunk carries the usage so far too (the prompt's), as in vLLM
             yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role=self.response_role, content=""))
-                         for i in range(job.params.n)])
+                         for i in range(job.params.n)], self._usage(job, {}) if job.continuous_usage else None)
             async for index, out in stream:
                 if out.finished:
                     finals[index] = out

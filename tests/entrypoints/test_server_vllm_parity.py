@@ -67,3 +67,23 @@ def test_a_wrong_type_names_the_field_as_openai(base_url, path, body, param):
     in pydantic's tag of the first union member tried ("prompt.str", "tool_choice.literal[...]")."""
     r = httpx.post(f"{base_url}{path}", json=body, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def _events(base_url, path, body):
+    with httpx.stream("POST", f"{base_url}{path}", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_continuous_usage_is_in_every_chat_chunk_the_role_chunk_too(base_url):
+    """vLLM's continuous_usage_stats: every chunk has the usage so far, also the first (the
+    role's: the prompt's tokens, none generated), which used to have none."""
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt = _post(base_url, "/tokenize", {"messages": messages})["count"]
+    events = _events(base_url, "/v1/chat/completions", {
+        "messages": messages, "max_tokens": 3, "ignore_eos": True, "stream": True, "n": 2,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["usage"] is not None and e["usage"]["prompt_tokens"] == prompt for e in events)
+    first = events[0]["usage"]
+    assert (first["completion_tokens"], first["total_tokens"]) == (0, prompt)
