@@ -206,6 +206,10 @@ class OpenAIServing(CompletionServing, ChatServing):
             except ValueError:
                 raise ApiError(400, "logit_bias keys must be token ids (integers as strings)",
                                param="logit_bias") from None
+        vocab = self.engine.vocab_size  # checked here too, so that the error names its field
+        for name, ids in (("logit_bias", logit_bias or ()), ("allowed_token_ids", req.allowed_token_ids or ())):
+            if any(t >= vocab for t in ids):
+                raise ApiError(400, f"{name} must name token ids in [0, {vocab})", param=name)
         limit = self.engine.engine.input_processor.max_logprobs  # the engine's max_logprobs (vLLM's rule)
         for name, asked in (("top_logprobs" if isinstance(req, ChatCompletionRequest) else "logprobs", logprobs),
                             ("prompt_logprobs", req.prompt_logprobs)):

@@ -87,3 +87,10 @@ def test_continuous_usage_is_in_every_chat_chunk_the_role_chunk_too(base_url):
     assert all(e["usage"] is not None and e["usage"]["prompt_tokens"] == prompt for e in events)
     first = events[0]["usage"]
     assert (first["completion_tokens"], first["total_tokens"]) == (0, prompt)
+
+
+@pytest.mark.parametrize("field, value", [("logit_bias", {"100000": 5}), ("allowed_token_ids", [100000])])
+def test_a_token_id_outside_the_vocabulary_names_its_field(base_url, field, value):
+    """OpenAI's error names the field at fault; one naming a token past the vocabulary had none."""
+    r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "a", "max_tokens": 1, field: value}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
