@@ -147,12 +147,14 @@ class OpenAIServing(CompletionServing, ChatServing):
         renders them) would be sent to the model as. Raises ApiError (400, 404)."""
         def work():
             self.check_model(req.model)
+            special = req.add_special_tokens
             if req.messages is None:
-                ids = self._tokenize(req.prompt, add_special_tokens=req.add_special_tokens)
+                ids = self._tokenize(req.prompt, add_special_tokens=special is not False)
             else:
                 tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-                ids = self._tokenize(self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                                  req.chat_template_kwargs, tools=tools), add_special_tokens=False)
+                text = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                    req.chat_template_kwargs, tools=tools)
+                ids = self._tokenize(text, add_special_tokens=bool(special))
             return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
         return await self._in_lane("tokenize", work)
 

@@ -259,7 +259,8 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    add_special_tokens: bool = True
+    # None: vLLM's defaults, True for a prompt and False for messages (as the two endpoints)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

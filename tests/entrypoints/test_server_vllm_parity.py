@@ -2,7 +2,8 @@
 error bodies where the two used to differ.
 
 One server for the module, over a copy of the tiny tokenized checkpoint whose
-generation_config.json sets max_new_tokens (as real checkpoints do), with a short context.
+generation_config.json sets max_new_tokens and whose tokenizer puts a BOS token before a text
+(as real checkpoints do), with a short context.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.tokenized import tokenized_checkpoint  # noqa: E402
 
 MAX_NEW_TOKENS = 6
 MAX_MODEL_LEN = 64
+BOS = "<|startoftext|>"  # id 1 in tests/tokenized.py
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +31,11 @@ def base_url(tmp_path_factory):
     shutil.copytree(tokenized_checkpoint(), ckpt)
     config = json.loads((ckpt / "generation_config.json").read_text())
     (ckpt / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": MAX_NEW_TOKENS}))
+    tokenizer = json.loads((ckpt / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": BOS, "type_id": 0}}
+    tokenizer["post_processor"].update(single=[bos, *tokenizer["post_processor"]["single"]],
+                                       special_tokens={BOS: {"id": BOS, "ids": [1], "tokens": [BOS]}})
+    (ckpt / "tokenizer.json").write_text(json.dumps(tokenizer))
     with running_server("--max-model-len", str(MAX_MODEL_LEN), model=str(ckpt)) as (url, _):
         yield url
 
@@ -94,3 +101,20 @@ def test_a_token_id_outside_the_vocabulary_names_its_field(base_url, field, valu
     """OpenAI's error names the field at fault; one naming a token past the vocabulary had none."""
     r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "a", "max_tokens": 1, field: value}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_tokenize_takes_add_special_tokens_for_messages_too(base_url):
+    """vLLM's /tokenize adds the tokenizer's special tokens (BOS here) to a prompt by default and
+    to chat messages only when asked, as /v1/chat/completions does; for messages the field used
+    to be ignored, so its count was not the chat endpoint's prompt_tokens."""
+    def count(**body):
+        return _post(base_url, "/tokenize", body)["count"]
+
+    assert _post(base_url, "/tokenize", {"prompt": "Hi"})["tokens"][0] == 1
+    assert count(prompt="Hi") == count(prompt="Hi", add_special_tokens=False) + 1
+    messages = [{"role": "user", "content": "Hi"}]
+    for special in (False, True):
+        chat = _post(base_url, "/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                                        "add_special_tokens": special})
+        assert count(messages=messages, add_special_tokens=special) == chat["usage"]["prompt_tokens"]
+    assert count(messages=messages) == count(messages=messages, add_special_tokens=True) - 1
