@@ -32,15 +32,22 @@ from mambaserve.entrypoints.tool_parsers import ToolCallStream, new_call_id
 from mambaserve.outputs import RequestOutput
 
 
+def _finish(job: Job, made_calls: bool, finish_reason: str | None) -> str | None:
+    """"tool_calls" when the reply made calls of its own choice (tool_choice "auto" or "required")
+    and ended by itself; a call of the function tool_choice named ends with "stop", as in
+    OpenAI's API and vLLM."""
+    chose = job.tools is not None and job.tools.mode != "named"
+    return "tool_calls" if chose and made_calls and finish_reason == "stop" else finish_reason
+
+
 def _tool_calls(job: Job, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall], str | None]:
-    """(content, tool calls, finish reason) of a whole chat reply: "tool_calls" when the reply
-    made calls and ended by itself."""
+    """(content, tool calls, finish reason) of a whole chat reply (`_finish`)."""
     if job.tools is None:
         return text, [], finish_reason
     content, calls = job.tools.final(text)
     tool_calls = [ToolCall(id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                   for c in calls]
-    return content, tool_calls, "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
+    return content, tool_calls, _finish(job, bool(tool_calls), finish_reason)
 
 
 
@@ -97,8 +104,8 @@ class ChatServing(OutputFormatting):
                         deltas = [DeltaToolCall(index=k, id=i, type="function" if i else None,
                                                 function=DeltaFunctionCall(name=name, arguments=args))
                                   for k, i, name, args in pieces] or None
-                        if finished and calls[c.index].ids and finish == "stop":
-                            finish = "tool_calls"
+                        if finished:
+                            finish = _finish(job, bool(calls[c.index].ids), finish)
                     lps = None
                     if job.num_top is not None and len(c.token_ids) > st.tokens_sent:
                         lps = self._chat_logprobs(c.token_ids[st.tokens_sent:], (c.logprobs or [])[st.tokens_sent:],
