@@ -155,7 +155,9 @@ class OpenAIServing(CompletionServing, ChatServing):
                 text = self._render(req.messages, req.add_generation_prompt, req.continue_final_message,
                                     req.chat_template_kwargs, tools=tools)
                 ids = self._tokenize(text, add_special_tokens=bool(special))
-            return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+            strs = self._tok().convert_ids_to_tokens(ids) if req.return_token_strs else None
+            return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids,
+                                    token_strs=strs)
         return await self._in_lane("tokenize", work)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:

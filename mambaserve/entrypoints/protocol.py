@@ -224,6 +224,24 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
+class FieldConflictError(ValueError):
+    """Two request fields that contradict each other; `param` names the second (the error's param)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _check_chat_prompt_flags(req) -> None:
+    """Both set to true by the client is a contradiction (vLLM refuses it too); continue_final_message
+    alone wins over add_generation_prompt's default."""
+    if {"add_generation_prompt", "continue_final_message"} <= req.model_fields_set and \
+            req.add_generation_prompt and req.continue_final_message:
+        raise FieldConflictError("add_generation_prompt and continue_final_message cannot both be true: the "
+                                 "first starts a new assistant turn, the second continues the last message",
+                                 "continue_final_message")
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions. The prompt is the tokenizer's chat template over `messages`
     (and `tools`, `documents`)."""
@@ -245,6 +263,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self):
+        _check_chat_prompt_flags(self)
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice needs tools")
         if isinstance(self.tool_choice, NamedToolChoice) and \
@@ -265,11 +284,13 @@ class TokenizeRequest(_Request):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: Annotated[list[ChatTool], Field(min_length=1, max_length=128)] | None = None  # to the template
+    return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        _check_chat_prompt_flags(self)
         return self
 
 

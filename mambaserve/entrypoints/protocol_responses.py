@@ -17,6 +17,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None  # the tokenizer's token strings, with return_token_strs
 
 
 class DetokenizeResponse(BaseModel):

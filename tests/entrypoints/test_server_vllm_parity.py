@@ -118,3 +118,27 @@ def test_tokenize_takes_add_special_tokens_for_messages_too(base_url):
                                                         "add_special_tokens": special})
         assert count(messages=messages, add_special_tokens=special) == chat["usage"]["prompt_tokens"]
     assert count(messages=messages) == count(messages=messages, add_special_tokens=True) - 1
+
+
+def test_tokenize_returns_the_token_strings_when_asked(base_url):
+    """vLLM's return_token_strs: the tokenizer's own strings of the ids (used to be refused)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenized_checkpoint())
+    got = _post(base_url, "/tokenize", {"prompt": "def add(a, b):", "return_token_strs": True})
+    assert got["token_strs"] == tok.convert_ids_to_tokens(got["tokens"]) and len(got["token_strs"]) == got["count"]
+    assert _post(base_url, "/tokenize", {"prompt": "def add(a, b):"})["token_strs"] is None
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_new_turn_and_a_continued_message_together_are_refused(base_url, path):
+    """vLLM refuses add_generation_prompt and continue_final_message both set to true; this server
+    used to let the second win silently. continue_final_message alone is fine (the first's
+    default gives way)."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    body = {"messages": messages, **({"max_tokens": 1} if path != "/tokenize" else {})}
+    r = httpx.post(f"{base_url}{path}", json={**body, "add_generation_prompt": True, "continue_final_message": True},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+    assert "cannot both be true" in r.json()["error"]["message"]
+    _post(base_url, path, {**body, "continue_final_message": True})
