@@ -150,7 +150,7 @@ def rope_settings(config) -> tuple[float, float]:
 
 def rotary_from_config(config, head_dim: int, *, whole_head: bool = False) -> RotaryEmbedding:
     """RoPE over the first partial_rotary_factor of each head's features (`rope_settings`), or
-    over all of them with `whole_head` (Falcon-H1 and Zamba2, which transformers rotates whole
-    whatever the factor says)."""
+    over all of them with `whole_head` (Falcon-H1, Zamba2 and Granite 4.0-H, which transformers
+    rotates whole whatever the factor says)."""
     theta, partial = rope_settings(config)
     return RotaryEmbedding(head_dim, head_dim if whole_head else int(head_dim * partial), theta)

@@ -3,7 +3,8 @@ each followed by a MoE with a shared expert (or the shared dense MLP alone).
 
 Granite's scalings: embeddings times embedding_multiplier, each residual branch times
 residual_multiplier, attention scale attention_multiplier (not 1/sqrt(head_dim)), logits
-divided by logits_scaling. Attention is NoPE or RoPE (position_embedding_type).
+divided by logits_scaling. Attention is NoPE or RoPE (position_embedding_type); RoPE turns the
+whole head, as transformers' GraniteMoeHybrid does whatever a `partial_rotary_factor` says.
 HF names: model.embed_tokens, model.layers.{i}.{input_layernorm, mamba | self_attn,
 post_attention_layernorm, block_sparse_moe.{router.layer, input_linear, output_linear},
 shared_mlp.{input_linear, output_linear}}, model.norm, lm_head.
@@ -58,7 +59,7 @@ class _Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary = None
         if getattr(config, "position_embedding_type", "nope") == "rope":
-            rotary = rotary_from_config(config, attention_head_dim(config))
+            rotary = rotary_from_config(config, attention_head_dim(config), whole_head=True)
         kinds = layer_kinds(config)
         self.layers = nn.ModuleList(_Layer(config, kind, i, rotary if kind == "attention" else None)
                                     for kind, i in zip(kinds, cache_indices(kinds)))
