@@ -17,7 +17,7 @@ from mambaserve.forward_context import ForwardContext
 from mambaserve.layers.mamba2 import Mamba2Mixer
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.models.base import HybridForCausalLM, MambaBackbone
-from mambaserve.models.config_checks import require_silu
+from mambaserve.models.config_checks import require_silu, require_value
 from mambaserve.models.config_utils import dt_limit
 
 
@@ -45,11 +45,16 @@ class _Block(nn.Module):
 class Mamba2ForCausalLM(HybridForCausalLM):
     """Mamba2 (Mamba-Codestral): pre-norm Mamba2 mixers only. forward(input_ids (T,), positions
     (T,), ctx) -> final-normed hidden (T, hidden) in the model dtype; positions are unused.
-    Raises ValueError for a hidden_act other than SiLU."""
+    Raises ValueError for a hidden_act other than SiLU, and for the mamba_ssm options that
+    Mamba-Codestral's config carries but transformers never reads (`norm_before_gate`,
+    `rms_norm`) set to another gated norm than the one both compute."""
 
     def __init__(self, config):
         super().__init__(config)
         require_silu(config, "Mamba2", "hidden_act", "the Mamba conv")
+        require_value(config, "Mamba2", "norm_before_gate", False,
+                      "the mixer's RMSNorm normalises y * silu(z), gating before the norm")
+        require_value(config, "Mamba2", "rms_norm", True, "the mixer's output always goes through its gated RMSNorm")
         self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", True))
         self.backbone = MambaBackbone(config, _Block)
         self.make_lm_head(self.backbone.embeddings)

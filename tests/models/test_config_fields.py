@@ -15,6 +15,8 @@ CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 # (config file, field, refused value, value that builds)
 REFUSED = [
     ("mamba-codestral-7b.json", "hidden_act", "gelu", "silu"),
+    ("mamba-codestral-7b.json", "norm_before_gate", True, False),
+    ("mamba-codestral-7b.json", "rms_norm", False, True),
     ("bamba-9b.json", "hidden_act", "relu", "silu"),
     ("granite-4.0-h-tiny.json", "hidden_act", "gelu", "silu"),
     ("jamba-v0.1.json", "hidden_act", "gelu", "silu"),
