@@ -51,6 +51,7 @@ from mambaserve.layers.mlp import GatedMLP
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM
+from mambaserve.models.config_checks import require_value
 from mambaserve.models.config_utils import (
     attention_from_config,
     attention_head_dim,
@@ -104,7 +105,8 @@ class FalconH1ForCausalLM(HybridForCausalLM):
     """TII Falcon-H1: parallel Mamba2 + attention mixers and a SwiGLU MLP per layer, muP
     multipliers folded into the weights (see the module docstring). forward(input_ids (T,),
     positions (T,), ctx) -> final-normed hidden (T, hidden); compute_logits multiplies by
-    lm_head_multiplier."""
+    lm_head_multiplier. Raises ValueError for a hidden_act other than SiLU, multiplier lists of
+    the wrong length, `mamba_use_mlp` false or `attn_layer_indices` set."""
 
     def __init__(self, config):
         super().__init__(config)
@@ -112,6 +114,10 @@ class FalconH1ForCausalLM(HybridForCausalLM):
         if act != "silu":
             raise ValueError(f"Falcon-H1 hidden_act {act!r}: only 'silu' is supported (the Mamba conv and the MLP "
                              "use it)")
+        # fields of TII's original code that transformers never reads: it builds attention and
+        # the MLP in every layer whatever they say, and so do we
+        require_value(config, "Falcon-H1", "mamba_use_mlp", True, "every layer has its MLP")
+        require_value(config, "Falcon-H1", "attn_layer_indices", None, "every layer has its attention")
         for name, n in (("ssm_multipliers", 5), ("mlp_multipliers", 2)):
             if len(getattr(config, name)) != n:
                 raise ValueError(f"Falcon-H1 {name} must hold {n} values, got {getattr(config, name)!r}")

@@ -1,6 +1,7 @@
 """Config fields a family's model does not implement are refused with a ValueError naming the
 field (a checkpoint setting them would otherwise run as another model); the values the model
-does implement still build. Built on the meta device from the real configs: no memory."""
+does implement still build. Built on the meta device from the real configs (or, for a family
+without one here, a tiny config of tests/models/tiny.py): no memory."""
 
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch
 
 from mambaserve.loader import load_config
 from mambaserve.models import get_model_class
+from tests.models.tiny import CONFIGS as TINY
 
 CONFIGS = Path(__file__).resolve().parents[2] / "benchmarks" / "configs"
 
@@ -25,11 +27,24 @@ REFUSED = [
     ("nemotron-h-8b.json", "sliding_window", 4096, None),
     ("zamba2-2.7b.json", "use_long_context", True, False),
     ("mamba-130m.json", "rms_norm", False, True),
+    ("falcon-h1", "mamba_use_mlp", False, True),
+    ("falcon-h1", "attn_layer_indices", [0], None),
 ]
 
 
+def _config(file: str):
+    """The config of a file under benchmarks/configs, or of a tiny config by name."""
+    if file.endswith(".json"):
+        return load_config(CONFIGS / file)
+    import transformers
+
+    kw = dict(TINY[file])
+    arch = kw.pop("arch")
+    return getattr(transformers, f"{arch}Config")(**kw, architectures=[f"{arch}ForCausalLM"])
+
+
 def _build(file: str, **fields):
-    config = load_config(CONFIGS / file)
+    config = _config(file)
     for name, value in fields.items():
         setattr(config, name, value)
     with torch.device("meta"):
