@@ -22,7 +22,7 @@ from mambaserve.layers.moe import GraniteMoE
 from mambaserve.layers.norm import RMSNorm
 from mambaserve.layers.rotary import RotaryEmbedding
 from mambaserve.models.base import HybridForCausalLM
-from mambaserve.models.config_checks import require_silu
+from mambaserve.models.config_checks import require_silu, require_value
 from mambaserve.models.config_utils import (
     attention_from_config,
     attention_head_dim,
@@ -70,11 +70,13 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
     """IBM Granite 4.0-H: Mamba2 and attention layers, each followed by a top-k MoE and a shared
     expert, with Granite's embedding / residual / logits multipliers. forward(input_ids (T,),
     positions (T,), ctx) -> final-normed hidden (T, hidden). Raises ValueError for a hidden_act other
-    than SiLU or a scaled RoPE type."""
+    than SiLU, a normalization_function other than rmsnorm or a scaled RoPE type."""
 
     def __init__(self, config):
         super().__init__(config)
         require_silu(config, "GraniteMoeHybrid", "hidden_act", "the Mamba conv, the experts and the shared MLP")
+        # IBM's configs name their norm; transformers never reads the field and builds RMSNorms
+        require_value(config, "GraniteMoeHybrid", "normalization_function", "rmsnorm", "every norm is an RMSNorm")
         self.model = _Model(config)
         self.make_lm_head(self.model.embed_tokens)
         self.embedding_multiplier = float(config.embedding_multiplier)

@@ -21,6 +21,7 @@ REFUSED = [
     ("mamba-codestral-7b.json", "rms_norm", False, True),
     ("bamba-9b.json", "hidden_act", "relu", "silu"),
     ("granite-4.0-h-tiny.json", "hidden_act", "gelu", "silu"),
+    ("granite-4.0-h-tiny.json", "normalization_function", "layernorm", "rmsnorm"),
     ("jamba-v0.1.json", "hidden_act", "gelu", "silu"),
     ("nemotron-h-8b.json", "mamba_hidden_act", "gelu", "silu"),
     ("nemotron-h-8b.json", "residual_in_fp32", True, False),
