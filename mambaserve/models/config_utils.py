@@ -151,6 +151,12 @@ def rope_settings(config) -> tuple[float, float]:
 def rotary_from_config(config, head_dim: int, *, whole_head: bool = False) -> RotaryEmbedding:
     """RoPE over the first partial_rotary_factor of each head's features (`rope_settings`), or
     over all of them with `whole_head` (Falcon-H1, Zamba2 and Granite 4.0-H, which transformers
-    rotates whole whatever the factor says)."""
+    rotates whole whatever the factor says). Raises ValueError when the factor gives an odd or
+    empty rotary width."""
     theta, partial = rope_settings(config)
-    return RotaryEmbedding(head_dim, head_dim if whole_head else int(head_dim * partial), theta)
+    rotary_dim = head_dim if whole_head else int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        # transformers then rotates a rounded-up even width at frequencies of the odd one's: not implemented
+        raise ValueError(f"partial_rotary_factor={partial} of head_dim {head_dim} rotates {rotary_dim} features: "
+                         "only an even number from 2 to head_dim is supported")
+    return RotaryEmbedding(head_dim, rotary_dim, theta)

@@ -77,3 +77,12 @@ def test_scaled_rope_is_refused(file, layout):
 def test_mamba2_residual_in_fp32_is_read():
     assert _build("mamba-codestral-7b.json").residual_in_fp32 is True
     assert _build("mamba-codestral-7b.json", residual_in_fp32=False).residual_in_fp32 is False
+
+
+def test_odd_partial_rotary_width_is_refused_naming_the_factor():
+    """Bamba's RoPE turns the first partial_rotary_factor of each head (128 features): a factor giving an
+    odd width is refused by name; one giving an even width builds."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        _build("bamba-9b.json", rope_parameters={**rope, "partial_rotary_factor": 0.2})
+    _build("bamba-9b.json", rope_parameters={**rope, "partial_rotary_factor": 0.25})
