@@ -223,7 +223,8 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     """Copy every tensor of the checkpoint into the parameter of the same HF name.
 
     Raises ValueError naming the tensor on an unexpected name, a shape mismatch, or a missing
-    parameter. With tied embeddings a stored lm_head.weight is ignored, and so are tensors
+    parameter. With tied embeddings a stored lm_head.weight is ignored (or read as the
+    embedding when the checkpoint stores only it, as transformers ties them), and so are tensors
     under the model's `checkpoint_ignore_prefixes` (parts of the checkpoint it does not use),
     KV scales of attention layers that take none, and the input scales of FP8 experts (weight-only
     FP8 there). A parameter holding a tensor-parallel shard reads only its part of the tensor.
@@ -235,10 +236,15 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     ignored = tuple(getattr(model, "checkpoint_ignore_prefixes", ()))
     dequant = _Dequantizer(model)
     loaded: set[str] = set()
-    for file in safetensors_files(model_dir):
+    files = safetensors_files(model_dir)
+    embedding = _embedding_from_lm_head(model, files) if tied else None
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():
                 name = _checkpoint_name(stored)
+                if tied and name == "lm_head.weight" and embedding is not None:
+                    _load_one(model, params, shards, embedding, _Renamed(f, {embedding: stored}), file, loaded)
+                    continue
                 if (tied and name == "lm_head.weight") or (ignored and name.startswith(ignored)):
                     continue
                 owner = dequant.owner(name)
@@ -263,6 +269,30 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks tensors: "
                          f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+def _embedding_from_lm_head(model, files) -> str | None:
+    """The embedding's parameter name when a tied checkpoint stores lm_head.weight and not the
+    embedding (the tied tensor saved under its output name), else None."""
+    names = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    embedding = next(n for n, p in model.named_parameters() if p is model.lm_head.weight)
+    return embedding if "lm_head.weight" in names and embedding not in names else None
+
+
+class _Renamed:
+    """A safetensors file whose tensors are asked for by other names ({asked: stored})."""
+
+    def __init__(self, f, names: dict[str, str]):
+        self.f, self.names = f, names
+
+    def get_slice(self, name):
+        return self.f.get_slice(self.names.get(name, name))
+
+    def get_tensor(self, name):
+        return self.f.get_tensor(self.names.get(name, name))
 
 
 def _module_of(model, name: str):

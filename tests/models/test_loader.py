@@ -41,6 +41,22 @@ def test_tied_embeddings_share_storage():
     assert m.lm_head.weight.data_ptr() == m.backbone.embeddings.weight.data_ptr()
 
 
+@pytest.mark.parametrize("name, embedding", [("granite-moe", "model.embed_tokens.weight"),
+                                             ("mamba2", "backbone.embeddings.weight")])
+def test_a_tied_checkpoint_storing_only_lm_head_loads_it_as_the_embedding(tmp_path, name, embedding):
+    """transformers ties the two and loads either name; such checkpoints used to be refused as
+    lacking the embedding."""
+    src = _copy(name, tmp_path)
+    tensors = load_file(src / "model.safetensors")
+    table = torch.randn_like(tensors.pop(embedding))  # fresh values: not the embedding it replaces
+    save_file({**tensors, "lm_head.weight": table}, src / "model.safetensors")
+    m = load_model(src)
+    assert torch.equal(m.get_parameter(embedding), table.to(m.get_parameter(embedding).dtype))
+    assert m.lm_head.weight is m.get_parameter(embedding)
+    ref = dict(load_model(checkpoint(name)).named_parameters())
+    assert all(torch.equal(p, ref[k]) for k, p in m.named_parameters() if k != embedding)
+
+
 def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path):
     src = _copy("mamba2", tmp_path)
     tensors = load_file(src / "model.safetensors")
