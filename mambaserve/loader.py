@@ -255,8 +255,9 @@ def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
                         name.endswith(".input_scale") and getattr(_module_of(model, name), "expert_weights", False))):
                     continue
                 if name not in params:
+                    why = getattr(model, "unexpected_tensor_reason", lambda n: None)(name)
                     raise ValueError(f"unexpected tensor {stored!r} in {file.name}: no such parameter in "
-                                     f"{type(model).__name__}")
+                                     f"{type(model).__name__}{': ' + why if why else ''}")
                 try:
                     if name == stored:
                         _load_one(model, params, shards, name, f, file, loaded)

@@ -184,6 +184,14 @@ class Zamba2ForCausalLM(HybridForCausalLM):
         self.model = _Model(config)
         self.make_lm_head(self.model.embed_tokens)
 
+    def unexpected_tensor_reason(self, name: str) -> str | None:
+        """Why the loader finds `name` unexpected, when it is a shared block's copy at a later depth."""
+        if ".shared_transformer." not in name:
+            return None
+        return ("the checkpoint holds a copy of a shared transformer block at a later depth; transformers 5 saves "
+                "one per depth when tie_word_embeddings is false, this model keeps each block once (under its "
+                "first hybrid layer), as Zyphra's checkpoints store it")
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         e = self.model.embed_tokens(input_ids)  # (T, hidden)
         h = None  # the residual stream, once it is no longer e itself (then added into in place)

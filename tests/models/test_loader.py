@@ -114,3 +114,17 @@ def test_granite_shared_expert_absorbed_once_and_moves_with_the_model():
     model.to(torch.float64)
     assert moe.input_linear.weight.dtype == torch.float64 and moe.output_linear.weight.dtype == torch.float64
     assert torch.allclose(moe(x.double()).float(), before, atol=1e-5)
+
+
+def test_a_zamba2_shared_block_copied_per_depth_is_refused_saying_why(tmp_path):
+    """transformers 5 saves an untied Zamba2's shared blocks once per depth; the error used to
+    name only the tensor."""
+    src = _copy("zamba2", tmp_path)
+    tensors = load_file(src / "model.safetensors")
+    first = sorted({k.split(".shared_transformer.")[0] for k in tensors if ".shared_transformer." in k})[0]
+    later = [k for k in tensors if k.startswith("model.layers.") and ".linear." in k and not k.startswith(first + ".")]
+    layer = later[0].split(".linear.")[0]
+    copy = {k.replace(first, layer, 1): v.clone() for k, v in tensors.items() if k.startswith(first + ".shared_")}
+    save_file({**tensors, **copy}, src / "model.safetensors")
+    with pytest.raises(ValueError, match=r"shared_transformer.*copy of a shared transformer block at a later depth"):
+        load_model(src)
