@@ -171,6 +171,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        for name, what in (("stop", "a string or a list of strings"), ("stop_token_ids", "a list of token ids")):
+            value = getattr(self, name)
+            if isinstance(value, bytes) or not (value is None or isinstance(value, str) or hasattr(value, "__iter__")):
+                raise ValueError(f"SamplingParams.{name} must be {what}, got {value!r:.80}")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
@@ -199,6 +203,9 @@ class SamplingParams:
 
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):  # a truthy "false" would turn the flag on
+                raise bad(name, "must be a bool")
         if not _is_number(self.temperature) or not self.temperature >= 0.0:
             raise bad("temperature", "must be a number >= 0 (0 = greedy)")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -69,6 +69,13 @@ def test_normalisation():
         (dict(allowed_token_ids=[]), "allowed_token_ids"),
         (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
         (dict(allowed_token_ids="12"), "allowed_token_ids"),
+        (dict(ignore_eos="false"), "ignore_eos"),  # a truthy string would have ignored EOS
+        (dict(ignore_eos=0), "ignore_eos"),
+        (dict(skip_special_tokens=None), "skip_special_tokens"),
+        (dict(include_stop_str_in_output="yes"), "include_stop_str_in_output"),
+        (dict(stop=5), "stop"),
+        (dict(stop=b"###"), "stop"),
+        (dict(stop_token_ids=7), "stop_token_ids"),
     ],
 )
 def test_nonsense_raises_value_error_naming_the_field(kwargs, field):
