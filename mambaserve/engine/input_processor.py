@@ -153,14 +153,25 @@ class InputProcessor:
 
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a text prompt, a list of token ids, or a dict with
-        "prompt_token_ids" (vLLM's TokensPrompt; "prompt" kept as its text) or "prompt"."""
+        "prompt_token_ids" (vLLM's TokensPrompt; "prompt" kept as its text) or "prompt". Any
+        other key of a dict (vLLM's multi_modal_data, cache_salt, a misspelt key) is refused:
+        dropping it would serve a request other than the one asked for."""
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return prompt["prompt"], self.tokenize(prompt["prompt"])
+            unknown = sorted(map(repr, set(prompt) - {"prompt", "prompt_token_ids"}))
+            if unknown:
+                raise ValueError(f"unsupported prompt key(s) {', '.join(unknown)}: a dict prompt takes 'prompt' "
+                                 "and 'prompt_token_ids'")
+            text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"a dict prompt's 'prompt' must be a string, got {type(text).__name__}")
+            if ids is not None:
+                if isinstance(ids, (str, bytes, dict)) or not hasattr(ids, "__iter__"):
+                    raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}")
+                return text, list(ids)
+            if text is not None:
+                return text, self.tokenize(text)
             raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
