@@ -5,7 +5,10 @@ Keys. A prompt is cut into hash blocks of `hash_block_size` tokens (the KV block
 model with attention layers, else mamba_block_size); block j's key is sha256 of block j-1's key
 and the token ids of block j (int64, little-endian), so a key names the whole token chain up to
 the end of its block and nothing else (the KV and states depend only on token ids here;
-multimodal inputs or adapters would join the first block's key). The same key names the KV
+multimodal inputs or adapters would join the first block's key). A request's `cache_salt`
+(vLLM's: tenants that must not learn each other's prompts through hit timing) replaces the
+chain's root by sha256 of the root and the salt, so that only requests with the same salt
+share anything. The same key names the KV
 block (`BlockPool`) and the state checkpoint after that many tokens (`StateCheckpointPool`).
 sha256 rather than Python's hash: stable across processes and runs, and a collision, which
 would serve one prompt another's cache, is out of reach.
@@ -52,9 +55,15 @@ def _token_bytes(token_ids: list[int]) -> bytes:
     return tokens.tobytes()
 
 
-def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
-    """The key of a block of `token_ids` after the chain named `parent` (None: the first block)."""
-    return hashlib.sha256((parent or _ROOT) + _token_bytes(token_ids)).digest()
+def chain_root(salt: str | None) -> bytes:
+    """The parent of a chain's first block: the common root, or the root salted by `salt`."""
+    return _ROOT if salt is None else hashlib.sha256(_ROOT + b"cache_salt" + salt.encode()).digest()
+
+
+def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None = None) -> bytes:
+    """The key of a block of `token_ids` after the chain named `parent` (None: the first block,
+    under the root of `salt`)."""
+    return hashlib.sha256((parent or chain_root(salt)) + _token_bytes(token_ids)).digest()
 
 
 @dataclass
@@ -105,16 +114,18 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self._seen: OrderedDict[bytes, None] = OrderedDict()
 
-    def extend_hashes(self, hashes: list[bytes], get_tokens: Callable[[int, int], list[int]], num_tokens: int) -> None:
+    def extend_hashes(self, hashes: list[bytes], get_tokens: Callable[[int, int], list[int]], num_tokens: int,
+                      salt: str | None = None) -> None:
         """Extend a sequence's key chain `hashes` in place to every full hash block of its
-        first num_tokens tokens; get_tokens(start, end) returns its token ids [start, end)."""
+        first num_tokens tokens; get_tokens(start, end) returns its token ids [start, end);
+        salt: the request's cache_salt (the same on every call for one sequence)."""
         h, first, end = self.hash_block_size, len(hashes), num_tokens // self.hash_block_size
         if end <= first:
             return
         # `hash_block`'s keys, from one conversion of all the new blocks' tokens (a long prompt
         # has hundreds: per-block conversions were a third of the time)
         data, size = _token_bytes(get_tokens(first * h, end * h)), 8 * h
-        parent = hashes[-1] if hashes else _ROOT
+        parent = hashes[-1] if hashes else chain_root(salt)
         for j in range(end - first):
             parent = hashlib.sha256(parent + data[j * size:(j + 1) * size]).digest()
             hashes.append(parent)

@@ -153,16 +153,17 @@ class InputProcessor:
 
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text or None, token ids) of a text prompt, a list of token ids, or a dict with
-        "prompt_token_ids" (vLLM's TokensPrompt; "prompt" kept as its text) or "prompt". Any
-        other key of a dict (vLLM's multi_modal_data, cache_salt, a misspelt key) is refused:
-        dropping it would serve a request other than the one asked for."""
+        "prompt_token_ids" (vLLM's TokensPrompt; "prompt" kept as its text) or "prompt", and
+        optionally "cache_salt" (read by `cache_salt`). Any other key of a dict (vLLM's
+        multi_modal_data, a misspelt key) is refused: dropping it would serve a request other
+        than the one asked for."""
         if isinstance(prompt, str):
             return prompt, self.tokenize(prompt)
         if isinstance(prompt, dict):
-            unknown = sorted(map(repr, set(prompt) - {"prompt", "prompt_token_ids"}))
+            unknown = sorted(map(repr, set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}))
             if unknown:
-                raise ValueError(f"unsupported prompt key(s) {', '.join(unknown)}: a dict prompt takes 'prompt' "
-                                 "and 'prompt_token_ids'")
+                raise ValueError(f"unsupported prompt key(s) {', '.join(unknown)}: a dict prompt takes 'prompt', "
+                                 "'prompt_token_ids' and 'cache_salt'")
             text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
             if text is not None and not isinstance(text, str):
                 raise ValueError(f"a dict prompt's 'prompt' must be a string, got {type(text).__name__}")
@@ -177,6 +178,15 @@ class InputProcessor:
             return None, list(prompt)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
+    @staticmethod
+    def cache_salt(prompt) -> str | None:
+        """A dict prompt's "cache_salt" (vLLM's: only requests with the same salt share cached
+        prefixes), else None. Raises ValueError unless it is a non-empty string."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise ValueError(f"'cache_salt' must be a non-empty string, got {salt!r:.40}")
+        return salt
+
     def process(self, request_id: str, prompt, params: SamplingParams | None, arrival_time: float) -> ProcessedRequest:
         """Validate a request and build its sequences. Raises ValueError for sampling params
         that are not a SamplingParams (or hold nonsense), an empty prompt, token ids outside
@@ -189,6 +199,7 @@ class InputProcessor:
         # request runs (vLLM copies it too), and a field set to nonsense after creation is refused
         params = dataclasses.replace(params)
         text, token_ids = self.parse_prompt(prompt)
+        salt = self.cache_salt(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
         if params.stop and self.tokenizer is None:
@@ -215,5 +226,5 @@ class InputProcessor:
                 p = dataclasses.replace(params, seed=(params.seed + i + 2**63) % 2**64 - 2**63)
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seqs.append(Sequence(seq_id, prompt_token_ids=token_ids, sampling_params=p, prompt=text,
-                                 arrival_time=arrival_time))
+                                 arrival_time=arrival_time, cache_salt=salt))
         return ProcessedRequest(request_id, text, list(token_ids), params, seqs, arrival_time)

@@ -331,7 +331,7 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is None:
             return PrefixMatch()
-        cache.extend_hashes(seq.block_hashes, seq.get_token_ids, seq.num_tokens)  # its checkpoints need them too
+        cache.extend_hashes(seq.block_hashes, seq.get_token_ids, seq.num_tokens, seq.cache_salt)  # for checkpoints too
         if seq.sampling_params.prompt_logprobs is not None:
             return PrefixMatch()
         return cache.match(seq.block_hashes, seq.num_tokens)
@@ -370,7 +370,8 @@ class Scheduler:
             return
         end = min(seq.num_computed_tokens // self.block_pool.block_size, len(seq.block_table))
         if end > seq.num_registered_blocks:
-            self.prefix_cache.extend_hashes(seq.block_hashes, seq.get_token_ids, end * self.block_pool.block_size)
+            self.prefix_cache.extend_hashes(seq.block_hashes, seq.get_token_ids, end * self.block_pool.block_size,
+                                            seq.cache_salt)
             self.prefix_cache.register_blocks(seq.block_hashes, seq.block_table, seq.num_registered_blocks, end)
             seq.num_registered_blocks = end
 

@@ -63,7 +63,8 @@ class Sequence:
     num_preemptions, num_cached_tokens (prompt tokens served from the prefix cache when it was
     first admitted: 0 without a hit; kept as first set for the life of the request, after a
     preemption too, as vLLM's `num_cached_tokens`). Prefix-cache bookkeeping of the scheduler:
-    block_hashes (keys of the full hash blocks of all_token_ids so far, `cache.prefix_cache`),
+    block_hashes (keys of the full hash blocks of all_token_ids so far, `cache.prefix_cache`,
+    under the root of cache_salt: vLLM's, only requests with the same salt share a prefix),
     num_registered_blocks (blocks of block_table registered in the cache), checkpoint_positions
     (where the prefill ends a chunk to take a state checkpoint, increasing). spec_token_ids:
     speculative decoding's drafts for the next step (set by the engine before it schedules;
@@ -78,6 +79,7 @@ class Sequence:
         sampling_params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -99,6 +101,7 @@ class Sequence:
         self.num_preemptions = 0
         self.num_cached_tokens = 0
         self.block_hashes: list[bytes] = []
+        self.cache_salt = cache_salt
         self.num_registered_blocks = 0
         self.checkpoint_positions: list[int] = []
         self.spec_token_ids: list[int] = []

@@ -49,10 +49,11 @@ class EngineError(Exception):
 
 @dataclass
 class EngineInput:
-    """One prompt of a submission: its token ids and sampling parameters."""
+    """One prompt of a submission: its token ids, sampling parameters and cache salt (None: none)."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None
 
 
 class RequestStream:
@@ -305,7 +306,10 @@ class AsyncEngine:
         added = []
         try:
             for rid, inp in zip(stream.request_ids, inputs):
-                self.engine.add_request(rid, {"prompt_token_ids": inp.prompt_token_ids}, inp.params, arrival)
+                prompt = {"prompt_token_ids": inp.prompt_token_ids}
+                if inp.cache_salt is not None:
+                    prompt["cache_salt"] = inp.cache_salt
+                self.engine.add_request(rid, prompt, inp.params, arrival)
                 added.append(rid)
         except Exception as e:  # noqa: BLE001 - every rejection goes back to its request
             for rid in added:

@@ -287,7 +287,7 @@ class OpenAIServing(CompletionServing, ChatServing):
         return Job(f"cmpl-{uuid.uuid4().hex}", int(time.time()), prompts, params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), echo=req.echo,
                     drop_output=drop, num_top=req.logprobs, arrival=arrival, prompt_top=req.prompt_logprobs,
-                    continuous_usage=_continuous(req), model=req.model or self.model_name)
+                    continuous_usage=_continuous(req), model=req.model or self.model_name, cache_salt=req.cache_salt)
 
     def prepare_chat(self, req: ChatCompletionRequest) -> Job:
         """Validate a chat request and render its messages with the chat template. Raises ApiError."""
@@ -311,7 +311,7 @@ class OpenAIServing(CompletionServing, ChatServing):
         return Job(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), [(text, ids)], params, req.stream,
                     bool(req.stream_options and req.stream_options.include_usage), num_top=num_top,
                     arrival=arrival, prompt_top=req.prompt_logprobs, continuous_usage=_continuous(req), tools=tools,
-                   model=req.model or self.model_name)
+                   model=req.model or self.model_name, cache_salt=req.cache_salt)
 
     def _tool_parser(self, req: ChatCompletionRequest) -> ToolCallParser | None:
         """How the reply's tool calls are found: by the server's parser for tool_choice "auto" (the
@@ -352,8 +352,8 @@ class OpenAIServing(CompletionServing, ChatServing):
             logger.info("request %s: %d prompt(s) of %s tokens, %s", job.request_id, len(job.prompts),
                         "/".join(str(len(ids)) for _, ids in job.prompts), job.params)
         try:
-            return await self.engine.submit(job.request_id, [EngineInput(ids, job.params) for _, ids in job.prompts],
-                                            job.arrival)
+            inputs = [EngineInput(ids, job.params, job.cache_salt) for _, ids in job.prompts]
+            return await self.engine.submit(job.request_id, inputs, job.arrival)
         except EngineError as e:
             raise ApiError(e.status, str(e)) from None
 

@@ -149,6 +149,8 @@ class SamplingRequest(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as in vLLM
+    # vLLM's: the prefix cache is shared only among requests with the same salt (a tenant's secret)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
     response_format: ResponseFormat | None = None

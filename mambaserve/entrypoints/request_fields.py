@@ -29,7 +29,7 @@ COMMON: dict[str, Any] = {
     "spaces_between_special_tokens": True, "truncate_prompt_tokens": _OFF, "truncation_side": _OFF,
     "logprob_token_ids": _OFF, "bad_words": [], "priority": 0, "request_id": _OFF, "session_id": _OFF,
     "return_tokens_as_token_ids": False, "return_token_ids": False, "return_token_offsets": False,
-    "routed_experts_prompt_start": 0, "cache_salt": _OFF, "kv_transfer_params": _OFF,
+    "routed_experts_prompt_start": 0, "kv_transfer_params": _OFF,
     "ec_transfer_params": _OFF, "vllm_xargs": _OFF, "repetition_detection": _OFF, "stream_interval": _OFF,
     "logits_processors": _OFF, "watermarking": False, "guided_whitespace_pattern": _OFF,
     "service_tier": _OFF, "metadata": _OFF, "store": False, "safety_identifier": _OFF,

@@ -61,6 +61,7 @@ class Job:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
     tools: ToolCallParser | None = None  # how to find tool calls in the reply (None: it has none)
     model: str = ""  # the served name the request used (responses echo it, as vLLM's)
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
 
     @property
     def holdback(self) -> int:

@@ -138,8 +138,9 @@ def test_slots_never_shared():
     {"prompt_token_ids": [1, 2, 10**6]},
     {"prompt_token_ids": [1, -3]},
     {"prompt_token_ids": list(range(3, 200)) * 2},  # longer than max_model_len
-    {"prompt_token_ids": [5, 6], "cache_salt": "tenant-a"},  # vLLM keys not implemented: not dropped silently
-    {"prompt_token_ids": [5, 6], "multi_modal_data": {"image": None}},
+    {"prompt_token_ids": [5, 6], "cache_salt": ""},
+    {"prompt_token_ids": [5, 6], "cache_salt": 5},
+    {"prompt_token_ids": [5, 6], "multi_modal_data": {"image": None}},  # not implemented: not dropped silently
     {"prompt_token_ids": [5, 6], "prompt_token_id": [7]},  # a misspelt key
     {"prompt_token_ids": None},
     {"prompt_token_ids": 7},

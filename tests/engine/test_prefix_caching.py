@@ -239,3 +239,26 @@ def test_checkpoints_inside_a_chunk_for_mamba2_layers_chunk_ends_for_mamba1(name
     assert first.num_new_tokens == (21 if inner else 16)
     assert [o for o, _ in first.inner_saves] == ([16] if inner else [])
     assert check(llm, name, [prompt + tokens_of(name, 8)(3)]) == [[16]]
+
+
+@pytest.mark.parametrize("name", ["granite-moe", "mamba2"])
+def test_cache_salt_shares_only_among_requests_with_the_same_salt(name):
+    """vLLM's cache_salt: a salted request never resumes from another salt's (or no salt's)
+    prefix and its own prefix serves only its salt; outputs equal caching off."""
+    llm, new = make(name), tokens_of(name, 11)
+    prompt = new(30)
+    engine = llm.llm_engine
+
+    def run(salt):
+        req = {"prompt_token_ids": prompt, **({"cache_salt": salt} if salt is not None else {})}
+        rid = engine.add_request(None, req, GREEDY, final_only=True)
+        seq = engine.output_processor.requests[rid].seqs[0]
+        out = None
+        while engine.has_unfinished_requests():
+            out = next((o for o in engine.step() if o.finished), out)
+        return out.outputs[0].token_ids, seq.num_cached_tokens
+
+    want = reference(name, [prompt])[0][0]
+    runs = [run(s) for s in (None, "tenant-a", "tenant-a", "tenant-b", None, "tenant-b")]
+    assert all(tokens == want for tokens, _ in runs)
+    assert [cached for _, cached in runs] == [0, 0, 24, 0, 24, 24]

@@ -94,6 +94,27 @@ def test_cached_tokens_and_counters_equal_the_offline_engine(served):
         assert ref_usage.prefix_cache_queries >= len(p) * 3 + 2 * len(q) * 2
 
 
+@pytest.mark.skipif(not CORE, reason="needs the prefix-cache core")
+def test_cache_salt_shares_a_prefix_only_with_the_same_salt(served):
+    """vLLM's cache_salt on both endpoints: a salted request hits only its own salt's prefix."""
+    url, _ = served
+    rng = random.Random()
+    p = _prompt(rng, 3 * MAMBA_BLOCK + 5)
+    messages = [{"role": "user", "content": f"Tell me {rng.random()} " * 6}]
+    greedy = {"temperature": 0.0, "max_tokens": 2}
+    full = (len(p) - 1) // MAMBA_BLOCK * MAMBA_BLOCK
+    with _client(url) as c:
+        def cached(salt, chat=False):
+            extra = {"extra_body": {"cache_salt": salt}} if salt is not None else {}
+            r = (c.chat.completions.create(model=MODEL, messages=messages, **greedy, **extra) if chat else
+                 c.completions.create(model=MODEL, prompt=p, **greedy, **extra))
+            return r.usage.prompt_tokens_details.cached_tokens
+
+        assert [cached(s) for s in ("a", "a", "b", None, "b", None)] == [0, full, 0, 0, full, full]
+        chat = [cached(s, chat=True) for s in ("a", "b", "a")]
+        assert chat[:2] == [0, 0] and chat[2] > 0
+
+
 def test_reset_prefix_cache_endpoint(served):
     url, server = served
     assert httpx.post(f"{url}/reset_prefix_cache").status_code == 401  # behind the API key

@@ -88,7 +88,7 @@ TABLE = [
     ("chat", {"request_id": "mine"}, 400, "request_id"),
     ("chat", {"return_tokens_as_token_ids": True}, 400, "return_tokens_as_token_ids"),
     ("chat", {"return_token_ids": True}, 400, "return_token_ids"),
-    ("chat", {"cache_salt": "salt"}, 400, "cache_salt"),
+    ("chat", {"cache_salt": ""}, 400, "cache_salt"),
     ("chat", {"kv_transfer_params": {"a": 1}}, 400, "kv_transfer_params"),
     ("chat", {"vllm_xargs": {"a": 1}}, 400, "vllm_xargs"),
     ("chat", {"logprob_token_ids": [3]}, 400, "logprob_token_ids"),
