@@ -197,8 +197,13 @@ class OutputProcessor:
             cum = None
             if lps is not None:
                 cum = float(sum(d[t].logprob for d, t in zip(lps, seq.output_token_ids) if d and t in d))
+            text, p = req.decode[i].text, seq.sampling_params
+            if p.stop and not p.include_stop_str_in_output and not seq.is_finished:
+                # as vLLM: the tail a stop string could still start in is held back, so that a
+                # streamed text only grows (a stop found later would cut it)
+                text = text[:max(0, len(text) - (max(map(len, p.stop)) - 1))]
             outs.append(CompletionOutput(
-                index=i, text=req.decode[i].text, token_ids=list(seq.output_token_ids), cumulative_logprob=cum,
+                index=i, text=text, token_ids=list(seq.output_token_ids), cumulative_logprob=cum,
                 logprobs=lps, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
         finished = all(s.is_finished for s in req.seqs)
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time}

@@ -96,7 +96,7 @@ class ChatServing(OutputFormatting):
                     finished = c.finish_reason is not None
                     if st.done or (len(c.token_ids) <= st.tokens_sent and not finished):
                         continue
-                    end = len(c.text) if finished else max(st.text_sent, len(c.text) - job.holdback)
+                    end = max(st.text_sent, len(c.text))  # the engine holds back a stop string's possible start
                     text, deltas, finish = c.text[st.text_sent:end], None, c.finish_reason
                     st.text_sent = max(st.text_sent, end)
                     if calls[c.index] is not None:  # content up to the first call, then the calls' pieces

@@ -63,11 +63,6 @@ class Job:
     model: str = ""  # the served name the request used (responses echo it, as vLLM's)
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached prefixes
 
-    @property
-    def holdback(self) -> int:
-        p = self.params
-        return 0 if not p.stop or p.include_stop_str_in_output else max(len(s) for s in p.stop) - 1
-
 
 @dataclasses.dataclass
 class ChoiceState:

@@ -64,7 +64,7 @@ class CompletionServing(OutputFormatting):
                 lps, st.offset = self._completion_logprobs(out.prompt_token_ids, prompt_lps, 0)
         st.started = True
         if not job.drop_output:
-            end = len(c.text) if finished else max(st.text_sent, len(c.text) - job.holdback)
+            end = max(st.text_sent, len(c.text))  # the engine holds back a stop string's possible start
             text += c.text[st.text_sent:end]
             st.text_sent = max(st.text_sent, end)
             if job.num_top is not None:

@@ -55,6 +55,29 @@ def test_stop_strings_cut_the_text():
     assert llm.llm_engine.usage().num_slots_used == 0
 
 
+def test_streamed_text_only_grows_and_ends_as_the_whole():
+    """Outputs of LLMEngine.step() for a request with stop strings: each text is a prefix of the
+    next and of the final one (vLLM holds back the tail a stop could start in); without that,
+    the start of a stop string showed and then vanished. Random stops from the greedy text."""
+    import random
+
+    llm = LLM(dtype="float32", device="cpu")
+    engine, rng = llm.llm_engine, random.Random()
+    prompt = "def fibonacci(n):"
+    base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0].outputs[0].text
+    for _ in range(4):
+        cut = rng.randrange(8, len(base) - 6)
+        stops = [base[cut:cut + rng.randrange(2, 7)], "\x00never" * rng.randrange(1, 3)]
+        params = SamplingParams(temperature=0, max_tokens=48, stop=stops)
+        whole = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+        engine.add_request("s", prompt, params)
+        texts = []
+        while engine.has_unfinished_requests():
+            texts += [o.outputs[0].text for o in engine.step()]
+        assert texts[-1] == whole == base[:base.index(stops[0])]
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), (stops, texts)
+
+
 def test_stop_token_text_is_left_out():
     llm = LLM(dtype="float32", device="cpu")
     base = llm.generate("def fibonacci(n):", SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0].outputs[0]
