@@ -3,7 +3,7 @@ model accepts, and the token that follows them, from the target's k + 1 rows of 
 
 For row j (the logits after the sequence's last token and drafts d_1..d_j) the target
 distribution p_j is what the sampler would sample from there (`Sampler.adjusted_logits`, then
-`target_probs`: temperature, top-k, top-p, min-p). Greedy rows: d_{j+1} is accepted when it is
+`target_probs`: temperature, min-p, top-k, top-p). Greedy rows: d_{j+1} is accepted when it is
 p_j's argmax, and the first rejected position emits the argmax, as plain decoding would.
 Sampled rows: the rejection sampling of Leviathan et al. 2023 ("Fast inference from
 transformers via speculative decoding", section 2.3) and Chen et al. 2023: d_{j+1}, drawn from
@@ -72,8 +72,7 @@ def _rejection_sample(x, params, greedy, checked, seqs, drafts, draft_probs, arg
     """(accept (R,) bool, token emitted at a rejection or the bonus row (R,) int64) of the sampled
     rows; greedy rows keep the argmax rules."""
     device, (R, vocab) = x.device, x.shape
-    probs = target_probs(x, params, greedy)
-    probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves it unnormalised
+    probs = target_probs(x, params, greedy)  # (R, vocab), each row sums to 1
     index = checked.clamp_min(0).unsqueeze(1)  # (R, 1)
     p_d = probs.gather(1, index).squeeze(1)
     is_draft = checked >= 0

@@ -7,7 +7,8 @@ The pipeline, per row, in order (vLLM semantics):
 2. Penalties: repetition (HF style, over prompt + output tokens), then frequency and presence
    (OpenAI style, over output tokens).
 3. Greedy rows (temperature 0) take the argmax here; nothing below changes them.
-4. Temperature, then top-k, top-p (on the top-k-renormalised distribution), min-p.
+4. Temperature, then min-p, top-k, top-p (on the distribution renormalised after the filters
+   before it), as vLLM's V1 sampler orders them (min-p before top-p changes what top-p keeps).
 5. Sampling by exponential race: argmax(probs / q), q ~ Exp(1) i.i.d. per vocabulary entry,
    which picks token i with probability probs[i] (the Gumbel-max trick in probability space).
    Unseeded rows draw q in one batched call from the global RNG; a seeded row draws its own
@@ -177,9 +178,8 @@ def request_generator(seq: Sequence, device: torch.device) -> torch.Generator:
 
 def target_probs(logits: torch.Tensor, params: list, greedy: list[bool]) -> torch.Tensor:
     """Step 4 of the pipeline: the distribution a row samples from, (batch, vocab) float32, from
-    `Sampler.adjusted_logits`' output: temperature, top-k, top-p, min-p (greedy rows: softmax
-    at temperature 1, unused). Not renormalised after min-p: the exponential race (and the
-    rejection sampler, which normalises) do not need it."""
+    `Sampler.adjusted_logits`' output: temperature, min-p, top-k, top-p (greedy rows: softmax
+    at temperature 1, unused)."""
     device = logits.device
     temperature = [1.0 if g else p.temperature for g, p in zip(greedy, params)]
     temperature = _to_device(temperature, device, torch.float32)
@@ -187,12 +187,11 @@ def target_probs(logits: torch.Tensor, params: list, greedy: list[bool]) -> torc
     top_k = [0 if g or p.top_k <= 0 else p.top_k for g, p in zip(greedy, params)]
     top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
     min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
+    if any(m > 0.0 for m in min_p):
+        logits = apply_min_p(logits, min_p)
     if any(k > 0 for k in top_k) or any(q < 1.0 for q in top_p):
         logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)  # (batch, vocab)
-    if any(m > 0.0 for m in min_p):
-        probs = apply_min_p(probs, min_p)
-    return probs
+    return torch.softmax(logits, dim=-1)  # (batch, vocab)
 
 
 def apply_token_constraints(logits: torch.Tensor, params: list) -> torch.Tensor:
@@ -278,12 +277,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def apply_min_p(probs: torch.Tensor, min_p: list[float]) -> torch.Tensor:
-    """Zero the probabilities below min_p times each row's largest (0: off); not renormalised,
-    which the exponential race does not need. probs: (batch, vocab); returns a new tensor."""
-    m = _to_device(min_p, probs.device, torch.float32).unsqueeze(1)  # (batch, 1)
-    threshold = m * probs.max(dim=-1, keepdim=True).values
-    return probs.masked_fill(probs < threshold, 0.0)
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> torch.Tensor:
+    """-inf on the tokens whose probability is below min_p times the row's largest (0: off):
+    p_i < m p_max is l_i < l_max + log m, so no softmax is needed. logits: (batch, vocab)
+    float32 (after temperature); returns a new tensor."""
+    m = _to_device(min_p, logits.device, torch.float32).unsqueeze(1)  # (batch, 1)
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(m)  # log 0 = -inf: nothing cut
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def prompt_logprobs(

@@ -95,6 +95,9 @@ PROBS = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
         (dict(top_p=0.75), [1, 3, 4]),  # mass before token 4 is 0.7 < 0.75; before 2: 0.85
         (dict(min_p=0.3), [1, 3, 4]),  # threshold 0.12
         (dict(top_k=4, min_p=0.3), [1, 3, 4]),
+        # min-p first (vLLM V1): {1, 3} renormalised to (.57, .43), then top-p 0.5 keeps token 1
+        # alone; top-p first would keep 1 and 3 (mass before 3 is 0.4 < 0.5)
+        (dict(top_p=0.5, min_p=0.5), [1]),
     ],
 )
 def test_sampling_frequencies_match_the_filtered_softmax(device, seeded, params, kept):
