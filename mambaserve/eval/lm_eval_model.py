@@ -121,6 +121,8 @@ class MambaServeLM(TemplateLM):
         self.model = LLM(pretrained, **engine_args)
         self.tokenizer = self.model.get_tokenizer()
         self.add_bos_token = add_bos_token
+        if add_bos_token and self.tokenizer.bos_token_id is None:
+            raise ValueError("add_bos_token=True but the tokenizer has no BOS token")
         self.custom_prefix_token_id = prefix_token_id
         self._max_gen_toks = int(max_gen_toks)
         self.truncation_side = truncation_side
@@ -162,7 +164,9 @@ class MambaServeLM(TemplateLM):
     def tok_encode(self, string: str | list[str], add_special_tokens: bool | None = None, **kwargs):
         """Token ids of a string (or a list of strings). Special tokens are the tokenizer's
         default unless add_special_tokens (or the add_bos_token model arg) says otherwise; a
-        string that already starts with the BOS text gets none added."""
+        string that already starts with the BOS text gets none added. add_bos_token=True puts
+        BOS first wherever special tokens are added, also with a tokenizer whose special tokens
+        hold no BOS (the harness's hf and vllm backends load the tokenizer so)."""
         if not string:
             return []
         strings = [string] if isinstance(string, str) else list(string)
@@ -176,7 +180,10 @@ class MambaServeLM(TemplateLM):
                 kw["add_special_tokens"] = False
             elif self.add_bos_token is not None:
                 kw["add_special_tokens"] = self.add_bos_token
-            out.append(self.tokenizer(s, **kw)["input_ids"])
+            ids = self.tokenizer(s, **kw)["input_ids"]
+            if self.add_bos_token and kw.get("add_special_tokens") and ids[:1] != [self.tokenizer.bos_token_id]:
+                ids = [self.tokenizer.bos_token_id] + ids
+            out.append(ids)
         return out[0] if isinstance(string, str) else out
 
     def tok_decode(self, tokens: list[int], skip_special_tokens: bool = False) -> str:

@@ -160,6 +160,29 @@ def test_requests_through_the_api(lm):
     assert lm.loglikelihood_rolling([req("loglikelihood_rolling", "")], disable_tqdm=True) == [0.0]
 
 
+def test_add_bos_token_puts_bos_first_as_hf_does(tiny):
+    """add_bos_token=True with a tokenizer that adds no BOS of its own: the hf backend (its
+    tokenizer loaded with add_bos_token) scores every text after BOS, and so must we."""
+    from lm_eval.models.huggingface import HFLM
+
+    ours = MambaServeLM(pretrained=tiny, dtype="float32", max_model_len=MAX_LEN, add_bos_token=True)
+    ref = HFLM(pretrained=tiny, dtype="float32", max_length=MAX_LEN - 2, device="cpu", batch_size=1,
+               add_bos_token=True)
+    bos = ours.tokenizer.bos_token_id
+    assert ours.tokenizer("Hello world")["input_ids"][0] != bos  # the tokenizer alone adds none
+    assert ours.tok_encode("Hello world") == ref.tok_encode("Hello world") == [bos] + ours.tok_encode(
+        "Hello world", add_special_tokens=False)
+    assert ours.tok_encode(ours.tok_decode([bos]) + "Hi")[:2] != [bos, bos]  # BOS already in the text
+    req = lambda kind, *args: Instance(kind, {}, args, 0)  # noqa: E731
+    reqs = [req("loglikelihood", "Hello", " world"), req("loglikelihood", "", " world")]
+    for (lp, greedy), (ref_lp, ref_greedy) in zip(ours.loglikelihood(reqs, disable_tqdm=True),
+                                                  ref.loglikelihood(reqs, disable_tqdm=True), strict=True):
+        assert math.isclose(lp, ref_lp, rel_tol=RTOL) and greedy == ref_greedy
+    rolling = [req("loglikelihood_rolling", "Hello world")]
+    (lp,), (ref_lp,) = ours.loglikelihood_rolling(rolling, True), ref.loglikelihood_rolling(rolling, True)
+    assert math.isclose(lp, ref_lp, rel_tol=RTOL)
+
+
 def test_gen_kwargs(lm):
     eos = lm.tok_decode([lm.eot_token_id])
     p, until = lm._sampling_params({"until": "\n\n"}, eos)
