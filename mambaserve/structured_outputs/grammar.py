@@ -41,6 +41,29 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def dot_excludes_newline(pattern: str) -> str:
+    """The regex with every `.` outside a character class written `[^\\n]`. xgrammar's `.`
+    matches any character, a newline too, where Python's re matches anything but a newline
+    (without DOTALL, a flag xgrammar does not take): `.    return` let a completion open with a
+    newline that re.fullmatch then refuses. Escapes and classes are kept as written."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":  # xgrammar has no "[]...]": a "]" ends any class it is in
+            in_class = True
+        elif c == ".":
+            c = r"[^\n]"
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and logits width; thread-safe, lazily built.
 
@@ -91,7 +114,7 @@ class GrammarCompiler:
                 # unless it allows them: what disable_additional_properties asks for
                 return compiler.compile_json_schema(text, any_whitespace=not params.disable_any_whitespace)
             if kind == "regex":
-                return compiler.compile_regex(params.regex)
+                return compiler.compile_regex(dot_excludes_newline(params.regex))
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(params.choice))
             return compiler.compile_grammar(params.grammar)

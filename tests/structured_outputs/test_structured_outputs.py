@@ -135,6 +135,22 @@ def test_length_and_stop_strings_end_a_constrained_completion(llm):
     assert '"age"' not in stopped.outputs[0].text and stopped.outputs[0].text.lstrip().startswith("{")
 
 
+def test_regex_dot_is_pythons_any_character_but_newline(llm):
+    """xgrammar's `.` matches a newline; Python's re does not. The demo model opens a function
+    body with one: the regex below got "\\n    return a + b", which re.fullmatch refuses."""
+    regex = r".    return a \+ b"
+    [out] = llm.generate("def add(a, b):", constrained(regex=regex, max_tokens=16), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "stop" and re.fullmatch(regex, out.outputs[0].text), out.outputs[0].text
+    # the compiled regex accepts exactly the strings re.fullmatch matches
+    eos = llm.llm_engine.eos_token_ids[0]
+    for pattern in [r"a.b", r"\.", r"\\.", r"[.]x", r"[^.]", r"(.)*", r"a\[.\]", r"[\n.]"]:
+        compiled = llm.llm_engine.grammar_compiler.compile(StructuredOutputsParams(regex=pattern))
+        for text in ["a\nb", "axb", ".", "\\.", "\\\n", ".x", "\nx", "\n", "x", "", "\n\n", "a[\n]", "a[.]"]:
+            matcher = xgr.GrammarMatcher(compiled)
+            accepted = matcher.accept_string(text) and matcher.accept_token(eos)
+            assert accepted == bool(re.fullmatch(pattern, text)), (pattern, text)
+
+
 def test_eos_only_where_the_grammar_is_complete(llm):
     """ignore_eos=False and a grammar that ends: EOS (id 0) is the last token, after the whole text."""
     [out] = llm.generate(PROMPTS[0], constrained(regex=r"[a-c]{3}"), use_tqdm=False)
