@@ -49,7 +49,8 @@ class StructuredOutputsParams:
     json: a JSON schema (a dict, or its JSON text) the completion must be an instance of.
     regex: a regular expression the whole completion must match.
     choice: a list of strings, one of which the completion must be exactly.
-    grammar: an EBNF grammar (GBNF notation, rule `root` first) the completion must derive.
+    grammar: an EBNF grammar (GBNF notation, rule `root` first; or Lark's, root `start` or the
+        first rule) the completion must derive.
     json_object: True for any JSON object (OpenAI's JSON mode).
 
     Options: disable_any_whitespace (JSON without free whitespace between tokens: compact and

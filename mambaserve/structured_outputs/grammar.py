@@ -41,6 +41,46 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+_LARK_RULE = re.compile(r"\??([A-Za-z_]\w*)\s*:(?!:=)(.*)")
+_LITERAL = re.compile(r"\"(?:[^\"\\]|\\.)*\"|'(?:[^'\\]|\\.)*'")  # a "..." or '...' literal
+
+
+def lark_to_ebnf(grammar: str) -> str:
+    """A grammar in Lark's notation as xgrammar's EBNF, which vLLM also takes for `grammar`: rules
+    `name: ...` (`?name` too), alternatives continued on lines that start with `|`, `[x]` for an
+    optional x, 'single-quoted' literals, `-> alias` dropped, `//` comments; the root is the rule
+    `start`, else the first. A grammar with a `::=` is EBNF already and comes back unchanged.
+    Regex terminals (/.../) and %import are not translated: xgrammar then refuses them."""
+    lines = [re.sub(r"\s*//.*$", "", line).strip() for line in grammar.splitlines()]
+    if any("::=" in line for line in lines):
+        return grammar
+    rules: list[list[str]] = []  # [name, body] in order
+    for line in filter(None, lines):
+        m = _LARK_RULE.fullmatch(line)
+        if m:
+            rules.append([m.group(1), m.group(2)])
+        elif line.startswith("|") and rules:
+            rules[-1][1] += " " + line
+        else:
+            raise ValueError(f"not a Lark rule: {line!r}")
+    names = [name for name, _ in rules]
+    root = "start" if "start" in names else names[0] if names else None
+    out = [f"root ::= {root}"] if root not in (None, "root") else []
+    return "\n".join(out + [f"{name} ::= {_lark_body(body)}" for name, body in rules])
+
+
+def _lark_body(body: str) -> str:
+    """One Lark rule body in EBNF: literals double-quoted, [x] as (x)?, aliases dropped."""
+    parts, last = [], 0
+    for m in _LITERAL.finditer(body):
+        parts.append(re.sub(r"->\s*\w+", "", body[last:m.start()]).replace("[", "(").replace("]", ")?"))
+        lit = m.group()
+        parts.append(lit if lit[0] == '"' else '"' + lit[1:-1].replace("\\'", "'").replace('"', '\\"') + '"')
+        last = m.end()
+    parts.append(re.sub(r"->\s*\w+", "", body[last:]).replace("[", "(").replace("]", ")?"))
+    return "".join(parts).strip()
+
+
 def dot_excludes_newline(pattern: str) -> str:
     """The regex with every `.` outside a character class written `[^\\n]`. xgrammar's `.`
     matches any character, a newline too, where Python's re matches anything but a newline
@@ -117,6 +157,6 @@ class GrammarCompiler:
                 return compiler.compile_regex(dot_excludes_newline(params.regex))
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(params.choice))
-            return compiler.compile_grammar(params.grammar)
+            return compiler.compile_grammar(lark_to_ebnf(params.grammar))
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError and kinds of its own
             raise ValueError(f"structured_outputs.{kind} does not compile: {_reason(e)}") from None

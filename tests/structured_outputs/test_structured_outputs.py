@@ -151,6 +151,29 @@ def test_regex_dot_is_pythons_any_character_but_newline(llm):
             assert accepted == bool(re.fullmatch(pattern, text)), (pattern, text)
 
 
+def test_lark_grammar_as_vllm_takes_it(llm):
+    """vLLM converts a grammar in Lark's notation to EBNF for xgrammar; it was refused here (an
+    EBNF lexer error at the first ':'). Its language, written as a regex, is the reference."""
+    lark = """// a greeting
+?start: greeting [name] "!"
+greeting: "hi" -> short
+    | 'hello'
+name: " " ("bob" | 'ann')
+"""
+    same = r"(hi|hello)( (bob|ann))?!"
+    outs = llm.generate(PROMPTS, [constrained(grammar=lark, temperature=1.0, max_tokens=16)] * len(PROMPTS),
+                        use_tqdm=False)
+    for c in (out.outputs[0] for out in outs):
+        assert c.finish_reason == "stop" and re.fullmatch(same, c.text), c.text
+    compiled = llm.llm_engine.grammar_compiler.compile(StructuredOutputsParams(grammar=lark))
+    eos = llm.llm_engine.eos_token_ids[0]
+    for text in ["hi!", "hello bob!", "hi ann!", "hi annbob!", "hi !", "hello", "hibob!"]:
+        matcher = xgr.GrammarMatcher(compiled)
+        assert (matcher.accept_string(text) and matcher.accept_token(eos)) == bool(re.fullmatch(same, text)), text
+    with pytest.raises(ValueError, match="grammar does not compile: not a Lark rule: '%import common.WORD'"):
+        llm.generate(PROMPTS[0], constrained(grammar="start: WORD\n%import common.WORD"), use_tqdm=False)
+
+
 def test_eos_only_where_the_grammar_is_complete(llm):
     """ignore_eos=False and a grammar that ends: EOS (id 0) is the last token, after the whole text."""
     [out] = llm.generate(PROMPTS[0], constrained(regex=r"[a-c]{3}"), use_tqdm=False)
