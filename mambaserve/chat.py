@@ -15,6 +15,7 @@ def render_chat(
     tokenizer,
     messages: list[dict[str, Any]],
     *,
+    chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
@@ -25,6 +26,7 @@ def render_chat(
 
     messages: [{"role": ..., "content": str | [{"type": "text", "text": ...}, ...] | None, ...}];
     text content parts are joined with newlines; other keys go to the template unchanged.
+    chat_template: a Jinja template to use instead of the tokenizer's (vLLM's `LLM.chat` argument).
     add_generation_prompt: end with the assistant's turn header (ignored when
     continue_final_message, which leaves the last message open for the model to continue).
     chat_template_kwargs: extra template variables; it may not replace the template itself.
@@ -34,18 +36,22 @@ def render_chat(
     message's tool_calls arguments, JSON text in OpenAI's API, reach the template as objects, as
     chat templates expect (vLLM does the same).
 
-    Raises ValueError naming the problem: no tokenizer, no chat template, a message that is not a
-    dict with a role, a non-text content part, a `chat_template` override, or an error the
-    template itself raises (an unknown role, for instance).
+    Raises ValueError naming the problem: no tokenizer, no chat template (neither the tokenizer's
+    nor `chat_template`), a message that is not a dict with a role, a non-text content part, a
+    `chat_template` in chat_template_kwargs, or an error the template itself raises (an unknown
+    role, for instance).
     """
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer (this engine runs with skip_tokenizer_init=True)")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template: send plain prompts instead")
+    if not (chat_template or getattr(tokenizer, "chat_template", None)):
+        raise ValueError("this model's tokenizer has no chat template: pass chat_template, or send plain prompts")
     kwargs = dict(chat_template_kwargs or {})
     if "chat_template" in kwargs:
-        # a caller's own template would run in this process: one of nested loops never ends
+        # a request's own template would run in this process (one of nested loops never ends):
+        # only the caller of this function (LLM.chat's user, --chat-template) may choose one
         raise ValueError("chat_template_kwargs may not set chat_template: the model's template is used")
+    if chat_template:
+        kwargs["chat_template"] = chat_template
     rendered = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

@@ -65,6 +65,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
         *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
@@ -75,8 +76,9 @@ class LLM:
 
         messages: a conversation ([{"role": "user", "content": "..."}, ...]) or a list of
         conversations. Each is rendered with the model's chat template (`mambaserve.chat.render_chat`,
-        the same text as the server's /v1/chat/completions) and tokenized without adding special
-        tokens again; tools (OpenAI tool definitions) and documents go to the template. To make
+        the same text as the server's /v1/chat/completions), or with `chat_template` (a Jinja
+        template, as vLLM's argument) instead, and tokenized without adding special tokens
+        again; tools (OpenAI tool definitions) and documents go to the template. To make
         the reply a call, constrain it with `SamplingParams(structured_outputs=...)`. The other
         arguments are as in `generate` and `render_chat`. Returns one RequestOutput per
         conversation, in input order, whose `prompt` is the rendered text.
@@ -88,7 +90,8 @@ class LLM:
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
-            text = render_chat(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+            text = render_chat(tokenizer, conversation, chat_template=chat_template,
+                               add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message,
                                chat_template_kwargs=chat_template_kwargs, tools=tools, documents=documents)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
