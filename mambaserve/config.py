@@ -6,6 +6,7 @@ Field names follow vLLM's `EngineArgs` so its users find what they expect.
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,7 +191,8 @@ class EngineConfig:
     model (and tokenizer) may be a Hugging Face model id, read from the local Hugging Face cache
     (download_dir, else $HF_HOME's) at `revision`, downloaded when missing unless
     HF_HUB_OFFLINE=1 (`mambaserve.hub`); `model` then holds the snapshot folder.
-    max_model_len above the model's max_position_embeddings is refused unless
+    seed: the global random seed (torch's, and dummy weights'); None is taken as 0, vLLM V1's
+    default. max_model_len above the model's max_position_embeddings is refused unless
     VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's switch). max_logprobs: most logprobs and
     prompt_logprobs a request may ask for (-1: the vocabulary). generation_config: "auto" reads
     the checkpoint's generation_config.json (end tokens, default sampling parameters), "vllm"
@@ -206,7 +208,7 @@ class EngineConfig:
     dtype: str = "auto"
     load_format: str = "auto"
     device: str = "auto"
-    seed: int = 0
+    seed: int | None = 0
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -248,6 +250,11 @@ class EngineConfig:
         self.model = resolve_model_path(os.fspath(self.model), self.revision, self.download_dir)
         if self.tokenizer is not None:
             self.tokenizer = resolve_model_path(os.fspath(self.tokenizer), self.revision, self.download_dir)
+        if self.seed is None:  # vLLM V1 seeds every engine: None means its default, 0
+            self.seed = 0
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self.seed = int(self.seed)
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for the whole vocabulary, got {self.max_logprobs}")
         if self.cpu_num_threads is not None and self.cpu_num_threads < 1:

@@ -35,6 +35,7 @@ def test_vllm_options_at_their_supported_values_are_accepted():
     (dict(compilation_mode="fast"), "compilation_mode"),
     (dict(mamba_ssm_cache_dtype="int8"), "mamba_ssm_cache_dtype"),
     (dict(model="/no/such/checkpoint"), "does not exist"),
+    (dict(seed=1.5), "seed must be an integer"),
 ])
 def test_unsupported_or_bad_values_say_why(kwargs, reason):
     with pytest.raises(ValueError, match=reason):
@@ -78,3 +79,19 @@ def test_prefix_cache_fields_with_caching_off_are_said_to_do_nothing(caplog):
         EngineConfig(mamba_block_size=64)  # caching on: nothing to say
     said = [r.getMessage() for r in caplog.records]
     assert said == ["mamba_block_size=64, num_state_checkpoints=3: no effect with prefix caching off"]
+
+
+@pytest.mark.slow
+def test_seed_none_is_vllm_v1s_default_seed():
+    """vLLM's LLM(seed=None) runs seeded with 0 (V1); it was a TypeError from torch.manual_seed."""
+    from mambaserve import LLM, SamplingParams
+    from tests.models.tiny import checkpoint
+
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)  # drawn from the global generator
+
+    def sample(seed):
+        llm = LLM(checkpoint("mamba2"), skip_tokenizer_init=True, device="cpu", max_num_seqs=2, seed=seed)
+        assert llm.llm_engine.config.seed == (0 if seed is None else seed)
+        return llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+    assert sample(None) == sample(0) != sample(1)
