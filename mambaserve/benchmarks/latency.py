@@ -1,7 +1,7 @@
 """`mambaserve bench latency`: the time of one batch end to end, as vLLM's benchmark_latency.
 
-A batch of `--batch-size` random-token prompts of `--input-len` tokens, each generating exactly
-`--output-len` tokens (EOS ignored), is run through `LLM.generate` `--num-iters-warmup` times
+A batch of `--batch-size` random-token prompts of `--input-len` tokens, each generating `--n`
+completions of exactly `--output-len` tokens (EOS ignored), is run through `LLM.generate` `--num-iters-warmup` times
 untimed, then `--num-iters` times timed. Each iteration draws new prompts (seeded): with the
 same prompts every time, prefix caching (on by default) would serve every repeat from its
 cache and the prefill figures would time a cache hit, not the prompt. Besides the end-to-end latencies and their
@@ -37,6 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request (random ids)")
     parser.add_argument("--output-len", type=int, default=128, help="tokens generated per request")
     parser.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    parser.add_argument("--n", type=int, default=1, help="completions generated per prompt")
     parser.add_argument("--num-iters-warmup", type=int, default=10, help="untimed iterations first")
     parser.add_argument("--num-iters", type=int, default=30, help="timed iterations")
     parser.add_argument("--output-json", default=None, help="write the results record here")
@@ -63,26 +64,27 @@ def time_batch(llm, prompts: list[list[int]], params) -> dict:
 
 
 def measure_latency(llm, input_len: int, output_len: int, batch_size: int, num_iters_warmup: int,
-                    num_iters: int, seed: int = 0, use_tqdm: bool = True) -> dict:
-    """Warm up, then time `num_iters` batches; returns the measured part of the results record."""
+                    num_iters: int, seed: int = 0, use_tqdm: bool = True, n: int = 1) -> dict:
+    """Warm up, then time `num_iters` batches (n completions per prompt); returns the measured part
+    of the results record."""
     import numpy as np
 
     from mambaserve.benchmarks.datasets import random_token_ids
     from mambaserve.sampling_params import SamplingParams
 
     for name, v in (("--input-len", input_len), ("--output-len", output_len), ("--batch-size", batch_size),
-                    ("--num-iters", num_iters)):
+                    ("--num-iters", num_iters), ("--n", n)):
         if v < 1:
             raise ValueError(f"{name} must be >= 1, got {v}")
     if num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0, got {num_iters_warmup}")
     rng = np.random.default_rng(seed)
     vocab = llm.llm_engine.vocab_size
-    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
+    params = SamplingParams(n=n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=output_len)
     runs = []
-    for phase, n in (("Warmup iterations", num_iters_warmup), ("Profiling iterations", num_iters)):
-        it = range(n)
-        if use_tqdm and n:
+    for phase, iters in (("Warmup iterations", num_iters_warmup), ("Profiling iterations", num_iters)):
+        it = range(iters)
+        if use_tqdm and iters:
             from tqdm.auto import tqdm
 
             it = tqdm(it, desc=phase, dynamic_ncols=True)
@@ -92,25 +94,27 @@ def measure_latency(llm, input_len: int, output_len: int, batch_size: int, num_i
             runs = timed
     rec = latency_record([r["latency"] for r in runs], [r["prefill_time"] for r in runs],
                          [r["decode_time_per_token"] for r in runs], [r["output_tokens"] for r in runs],
-                         input_len=input_len, output_len=output_len, batch_size=batch_size)
+                         input_len=input_len, output_len=output_len, batch_size=batch_size, n=n)
     rec["cached_tokens"] = [r["cached_tokens"] for r in runs]  # served by prefix caching: 0 unless ids repeat
     return rec
 
 
-def latency_record(latencies, prefill_times, decode_times, output_tokens, *, input_len, output_len, batch_size) -> dict:
-    """The measured fields of a latency record (shared with the transformers baseline)."""
-    n = len(latencies)
+def latency_record(latencies, prefill_times, decode_times, output_tokens, *, input_len, output_len, batch_size,
+                   n: int = 1) -> dict:
+    """The measured fields of a latency record (shared with the transformers baseline); n:
+    completions per prompt."""
+    iters = len(latencies)
     return {
-        "input_len": input_len, "output_len": output_len, "batch_size": batch_size, "num_iters": n,
-        "avg_latency": sum(latencies) / n,
+        "input_len": input_len, "output_len": output_len, "batch_size": batch_size, "n": n, "num_iters": iters,
+        "avg_latency": sum(latencies) / iters,
         "latencies": list(latencies),
         "percentiles": percentiles(latencies),
-        "avg_prefill_time": sum(prefill_times) / n,
+        "avg_prefill_time": sum(prefill_times) / iters,
         "prefill_times": list(prefill_times),
-        "avg_decode_time_per_token": sum(decode_times) / n,
+        "avg_decode_time_per_token": sum(decode_times) / iters,
         "decode_times_per_token": list(decode_times),
         "output_tokens_per_iter": list(output_tokens),
-        "expected_output_tokens_per_iter": batch_size * output_len,
+        "expected_output_tokens_per_iter": batch_size * n * output_len,
     }
 
 
@@ -121,7 +125,7 @@ def print_latency(rec: dict, file=None) -> None:
     for q in PERCENTILES:
         print(f"{q}% percentile latency: {rec['percentiles'][str(q)]} seconds", file=file)
     print(f"Avg prefill time (time to first token of the whole batch): {rec['avg_prefill_time']} seconds", file=file)
-    print(f"Avg decode time per output token (batch of {rec['batch_size']}): "
+    print(f"Avg decode time per output token (batch of {rec['batch_size'] * rec['n']}): "
           f"{rec['avg_decode_time_per_token'] * 1e3:.3f} ms", file=file)
 
 
@@ -140,7 +144,7 @@ def main(args: argparse.Namespace, llm=None) -> int:
     config = llm.llm_engine.config
     with gc_heap_frozen():  # as `serve` runs: no full collection walks the engine's start-up objects
         rec = measure_latency(llm, args.input_len, args.output_len, args.batch_size, args.num_iters_warmup,
-                              args.num_iters, seed=args.seed, use_tqdm=not args.disable_tqdm)
+                              args.num_iters, seed=args.seed, use_tqdm=not args.disable_tqdm, n=args.n)
     print_latency(rec)
     if args.output_json:
         record = {"benchmark": "latency", "environment": environment_info(device=config.resolved_device()),

@@ -63,9 +63,9 @@ def check_common(rec, benchmark, engine="mambaserve"):
         assert env["engine_version"] == mambaserve.__version__
 
 
-def check_latency(rec, input_len, output_len, batch_size, num_iters, prefill_in_batch=True):
+def check_latency(rec, input_len, output_len, batch_size, num_iters, prefill_in_batch=True, n=1):
     assert LATENCY_FIELDS <= set(rec)
-    assert (rec["input_len"], rec["output_len"], rec["batch_size"]) == (input_len, output_len, batch_size)
+    assert (rec["input_len"], rec["output_len"], rec["batch_size"], rec["n"]) == (input_len, output_len, batch_size, n)
     lat = rec["latencies"]
     assert len(lat) == len(rec["prefill_times"]) == len(rec["decode_times_per_token"]) == num_iters
     assert rec["avg_latency"] == pytest.approx(sum(lat) / num_iters)
@@ -73,8 +73,8 @@ def check_latency(rec, input_len, output_len, batch_size, num_iters, prefill_in_
     ps = [rec["percentiles"][q] for q in ("10", "25", "50", "75", "90", "99")]
     assert min(lat) <= ps[0] and ps == sorted(ps) and ps[-1] <= max(lat)
     assert rec["percentiles"]["50"] == pytest.approx(float(np.median(lat)))
-    assert rec["output_tokens_per_iter"] == [batch_size * output_len] * num_iters
-    assert rec["expected_output_tokens_per_iter"] == batch_size * output_len
+    assert rec["output_tokens_per_iter"] == [batch_size * n * output_len] * num_iters
+    assert rec["expected_output_tokens_per_iter"] == batch_size * n * output_len
     for latency, prefill, decode in zip(lat, rec["prefill_times"], rec["decode_times_per_token"]):
         # ours times the prefill inside the batch; the baseline in a run of its own (noise may invert them)
         assert prefill > 0 and (not prefill_in_batch or (prefill <= latency and decode >= 0))
@@ -154,6 +154,15 @@ def test_bench_latency_prompts_never_hit_the_prefix_cache(tmp_path):
                  "--num-iters-warmup", "1", "--num-iters", "2", "--enable-prefix-caching",
                  "--output-json", str(out)]) == 0
     assert read(out)["cached_tokens"] == [0, 0]
+
+
+def test_bench_latency_n_completions_per_prompt(tmp_path):
+    """vLLM's `bench latency --n`: each prompt of the batch generates n sequences (the flag was
+    refused as unrecognized)."""
+    out = tmp_path / "latency.json"
+    assert main(["bench", "latency", *engine_flags(), "--input-len", "4", "--output-len", "3", "--batch-size", "2",
+                 "--n", "3", "--num-iters-warmup", "0", "--num-iters", "2", "--output-json", str(out)]) == 0
+    check_latency(read(out), 4, 3, 2, 2, n=3)
 
 
 def test_bench_latency(tmp_path, capsys):
