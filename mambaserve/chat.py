@@ -24,8 +24,8 @@ def render_chat(
 ) -> str:
     """The prompt text of a conversation under the tokenizer's chat template.
 
-    messages: [{"role": ..., "content": str | [{"type": "text", "text": ...}, ...] | None, ...}];
-    text content parts are joined with newlines; other keys go to the template unchanged.
+    messages: [{"role": ..., "content": str | [{"type": "text", "text": ...} | str, ...] | None, ...}];
+    text content parts (plain strings too) are joined with newlines; other keys go to the template unchanged.
     chat_template: a Jinja template to use instead of the tokenizer's (vLLM's `LLM.chat` argument).
     add_generation_prompt: end with the assistant's turn header (ignored when
     continue_final_message, which leaves the last message open for the model to continue).
@@ -58,7 +58,9 @@ def render_chat(
             raise ValueError(f"message {i} must be a dict with a 'role' string, got {m!r:.80}")
         content = m.get("content")
         if isinstance(content, list):
-            parts = [p if isinstance(p, dict) else {"type": None} for p in content]
+            # a plain string is a text part, as vLLM takes it
+            parts = [{"type": "text", "text": p} if isinstance(p, str) else p if isinstance(p, dict) else {"type": None}
+                     for p in content]
             if any(p.get("type") != "text" for p in parts):
                 raise ValueError(f"message {i}: only text content parts are supported")
             m = {**m, "content": "\n".join(p.get("text") or "" for p in parts)}  # as vLLM joins text parts

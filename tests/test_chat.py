@@ -29,3 +29,13 @@ def test_chat_template_argument_replaces_the_tokenizers(llm):
     # the tokenizer's own template is untouched for the next call
     [plain] = llm.chat(conv, PARAMS, use_tqdm=False)
     assert plain.prompt == tok.apply_chat_template(conv, tokenize=False, add_generation_prompt=True) != text
+
+
+def test_content_parts_as_plain_strings_are_text(llm):
+    """vLLM takes a plain string in a content list as a text part (it was refused: 'only text
+    content parts are supported'); parts are joined with newlines either way."""
+    tok = llm.get_tokenizer()
+    parts = [{"role": "user", "content": ["Hello", {"type": "text", "text": "there"}]}]
+    [out] = llm.chat(parts, PARAMS, use_tqdm=False)
+    flat = [{"role": "user", "content": "Hello\nthere"}]
+    assert out.prompt == tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True)
