@@ -249,7 +249,8 @@ class EngineConfig:
 
         self.model = resolve_model_path(os.fspath(self.model), self.revision, self.download_dir)
         if self.tokenizer is not None:
-            self.tokenizer = resolve_model_path(os.fspath(self.tokenizer), self.revision, self.download_dir)
+            self.tokenizer = resolve_model_path(os.fspath(self.tokenizer), self.revision, self.download_dir,
+                                                kind="tokenizer")
         if self.seed is None:  # vLLM V1 seeds every engine: None means its default, 0
             self.seed = 0
         if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):

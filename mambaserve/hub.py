@@ -38,16 +38,18 @@ def looks_like_repo_id(name: str) -> bool:
     return bool(_REPO_ID.fullmatch(name)) and not name.startswith(".")
 
 
-def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
+def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None,
+                       kind: str = "model") -> str:
     """A local folder for `model`: itself when it exists on disk, else the snapshot of the Hub
     repo `model` at `revision` (a branch, tag or commit; default "main") in the cache, downloaded
     when missing and the Hub may be used. Raises ValueError, saying why, for a path that does not
     exist and is no repo id, an id that is not cached while HF_HUB_OFFLINE=1 or the Hub cannot be
-    reached, an unknown repo or revision, or a cache without huggingface_hub installed."""
+    reached, an unknown repo or revision, or a cache without huggingface_hub installed; the
+    messages call `model` a `kind` ("model", "tokenizer")."""
     if os.path.exists(model):
         return model
     if not looks_like_repo_id(model):
-        raise ValueError(f"model path {model!r} does not exist")
+        raise ValueError(f"{kind} path {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import (
@@ -57,10 +59,10 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
             RevisionNotFoundError,
         )
     except ImportError:
-        raise ValueError(f"model path {model!r} does not exist, and huggingface_hub (needed to read it as a "
+        raise ValueError(f"{kind} path {model!r} does not exist, and huggingface_hub (needed to read it as a "
                          "Hugging Face model id) is not installed") from None
     where, offline = cache_dir(download_dir), is_offline()
-    what = f"model {model!r}" + (f" at revision {revision!r}" if revision else "")
+    what = f"{kind} {model!r}" + (f" at revision {revision!r}" if revision else "")
     try:
         return snapshot_download(model, revision=revision, cache_dir=where, local_files_only=offline,
                                  allow_patterns=ALLOW_PATTERNS)

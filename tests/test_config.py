@@ -34,7 +34,8 @@ def test_vllm_options_at_their_supported_values_are_accepted():
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(compilation_mode="fast"), "compilation_mode"),
     (dict(mamba_ssm_cache_dtype="int8"), "mamba_ssm_cache_dtype"),
-    (dict(model="/no/such/checkpoint"), "does not exist"),
+    (dict(model="/no/such/checkpoint"), "model path '/no/such/checkpoint' does not exist"),
+    (dict(tokenizer="/no/such/tokenizer"), "tokenizer path '/no/such/tokenizer' does not exist"),
     (dict(seed=1.5), "seed must be an integer"),
 ])
 def test_unsupported_or_bad_values_say_why(kwargs, reason):
