@@ -60,6 +60,23 @@ def test_quantization_flags_parse_and_bad_ones_are_refused(capsys):
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, tokens", [("4096", 4096), ("1k", 1000), ("25.6k", 25_600), ("1K", 1024),
+                                          ("32K", 32_768), ("2m", 2_000_000), ("1M", 2**20), ("0.5k", 500)])
+def test_max_model_len_takes_vllms_human_readable_counts(text, tokens):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert parser.parse_args(["--max-model-len", text]).max_model_len == tokens
+
+
+@pytest.mark.parametrize("text", ["1.5K", "abc", "1.0001k", "k", "12x", "-", "1e3"])
+def test_max_model_len_refuses_what_is_no_token_count(text, capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", text])
+    assert "is not a token count" in capsys.readouterr().err
+
+
 def test_cache_config_follows_the_engine_fields_and_checks_mamba_block_size():
     c = EngineConfig(block_size=8, mamba_block_size=24, num_state_checkpoints=3)
     cc = c.cache_config

@@ -12,6 +12,28 @@ import json
 
 from mambaserve.config import COMPILATION_MODES, EngineConfig, default_model
 
+_SUFFIX = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def human_readable_int(text: str) -> int:
+    """A token count as vLLM's --max-model-len takes it: an integer, or a number with a suffix,
+    k/m/g decimal (25.6k = 25,600) and K/M/G binary (1K = 1,024, whole numbers only). Raises
+    argparse.ArgumentTypeError otherwise (argparse then prints one line)."""
+    text = str(text).strip()
+    unit = _SUFFIX.get(text[-1:]) if text else None
+    try:
+        if unit is None:
+            return int(text)
+        number = text[:-1]
+        if text[-1].isupper():
+            return int(number) * unit
+        value = float(number) * unit
+        if value == int(value) and number.replace(".", "", 1).isdigit():
+            return int(value)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not a token count (an integer, or e.g. 32k = 32,000, 32K = 32,768)")
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add the "engine" argument group: one flag per EngineConfig field a user sets."""
@@ -30,7 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=human_readable_int, default=None,
+                   help="tokens of context, prompt and output (e.g. 4096, 32k = 32,000, 32K = 32,768; default: the "
+                        "config's)")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="most running requests (default: 1024 on GPUs of 70 GiB or more, else 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
