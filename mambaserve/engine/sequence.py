@@ -60,9 +60,11 @@ class Sequence:
     per output token when logprobs were requested), prompt_logprobs (filled by the engine when
     requested; the first entry is None since the first token has no context), generator (the
     request's own RNG when it has a seed; created by the sampler on the logits' device),
-    num_preemptions, num_cached_tokens (prompt tokens served from the prefix cache when it was
-    first admitted: 0 without a hit; kept as first set for the life of the request, after a
-    preemption too, as vLLM's `num_cached_tokens`). Prefix-cache bookkeeping of the scheduler:
+    num_preemptions, num_prompt_tokens_counted (the prompt tokens `EngineStats` has counted as
+    computed: a recompute after preemption counts only those beyond them), num_cached_tokens
+    (prompt tokens served from the prefix cache when it was first admitted: 0 without a hit;
+    kept as first set for the life of the request, after a preemption too, as vLLM's
+    `num_cached_tokens`). Prefix-cache bookkeeping of the scheduler:
     block_hashes (keys of the full hash blocks of all_token_ids so far, `cache.prefix_cache`,
     under the root of cache_salt: vLLM's, only requests with the same salt share a prefix),
     num_registered_blocks (blocks of block_table registered in the cache), checkpoint_positions
@@ -99,6 +101,7 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
+        self.num_prompt_tokens_counted = 0
         self.num_cached_tokens = 0
         self.block_hashes: list[bytes] = []
         self.cache_salt = cache_salt

@@ -112,10 +112,15 @@ class EngineStats:
         self.steps += 1
         for s in live:
             seq = s.seq
-            if seq.num_preemptions == 0:  # a recompute after preemption is not counted again
-                # a verify step's drafts are generated tokens, counted as accepted (one here)
-                before = seq.num_computed_tokens - (1 if s.spec_token_ids else s.num_new_tokens)
-                self.prompt_tokens += max(0, min(seq.num_computed_tokens, seq.num_prompt_tokens) - before)
+            # a verify step's drafts are generated tokens, counted as accepted (one here)
+            before = seq.num_computed_tokens - (1 if s.spec_token_ids else s.num_new_tokens)
+            # a recompute after preemption counts only the prompt tokens never computed before
+            # (a sequence preempted in the middle of its prefill computes the rest for the first time)
+            start = max(before, seq.num_prompt_tokens_counted)
+            end = min(seq.num_computed_tokens, seq.num_prompt_tokens)
+            if end > start:
+                self.prompt_tokens += end - start
+                seq.num_prompt_tokens_counted = end
 
     def record_step(self, path: str, scheduled, fed_tokens: int, seconds: float) -> None:
         """Add a step to its kind's entry. path: how its forward ran; scheduled: its batch,
