@@ -347,19 +347,25 @@ class AsyncEngine:
             self._deliver(stream, (index, _snapshot(out)))
 
     def _observe(self, timing: _Timing, out: RequestOutput, now: float) -> None:
+        """Latency and size metrics of an output. Each of a request's n completions counts as one
+        request, as vLLM counts them (its own first token, finish reason, end-to-end latency and
+        sizes), so that request_success_total adds up with the histograms' counts."""
         if self.metrics is None:
             return
         num = sum(len(c.token_ids) for c in out.outputs)
         if num > timing.num_tokens:
-            if timing.num_tokens == 0:
-                self.metrics.observe_first_token(now - timing.arrival)
-            else:
+            if timing.num_tokens:
                 per_seq = max(1, (num - timing.num_tokens) // max(1, len(out.outputs)))
                 self.metrics.observe_token_gap(now - timing.last, per_seq)
             timing.num_tokens, timing.last = num, now
-        if out.finished:
-            self.metrics.observe_finished(now - timing.arrival, [c.finish_reason for c in out.outputs],
-                                          len(out.prompt_token_ids), num)
+        for c in out.outputs:
+            if c.token_ids and c.index not in timing.started:
+                timing.started.add(c.index)
+                self.metrics.observe_first_token(now - timing.arrival)
+            if c.finish_reason is not None and c.index not in timing.finished:
+                timing.finished.add(c.index)
+                self.metrics.observe_finished(now - timing.arrival, c.finish_reason, len(out.prompt_token_ids),
+                                              len(c.token_ids))
 
     def _fail_all(self, err: EngineError) -> None:
         """Abort every request in flight and send `err` to its stream (once per stream)."""
@@ -382,6 +388,8 @@ class _Timing:
     arrival: float
     last: float = 0.0
     num_tokens: int = 0
+    started: set[int] = dataclasses.field(default_factory=set)  # completions with a first token
+    finished: set[int] = dataclasses.field(default_factory=set)  # completions counted as finished
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:

@@ -151,15 +151,14 @@ class ServerMetrics:
             self.tpot.observe(per_token)
             self.itl.observe(per_token)
 
-    def observe_finished(self, seconds: float, finish_reasons: list[str | None], prompt_tokens: int = 0,
+    def observe_finished(self, seconds: float, finish_reason: str | None, prompt_tokens: int = 0,
                          generation_tokens: int = 0) -> None:
-        """A request finished `seconds` after it arrived, with one finish reason per sequence, its
-        prompt's tokens and the tokens its sequences generated."""
+        """A sequence (one of a request's n completions) finished `seconds` after its request
+        arrived, with its finish reason, its prompt's tokens and the tokens it generated."""
         self.e2e.observe(seconds)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
-        for reason in finish_reasons:
-            self._finished.labels(self._model_name, reason or "unknown").inc()
+        self._finished.labels(self._model_name, finish_reason or "unknown").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

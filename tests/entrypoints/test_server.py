@@ -80,6 +80,32 @@ def test_models_health_metrics(base_url, client):
     assert "vllm:time_to_first_token_seconds_count" in m
 
 
+def _series_sum(base_url: str, name: str) -> float:
+    """A metric's value summed over its label sets (request_success_total has one per finish reason)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(f"{base_url}/metrics").text.splitlines()
+               if line.split("{")[0] == name)
+
+
+def test_each_of_n_completions_counts_as_a_request_in_the_metrics(base_url, client):
+    """As vLLM counts them: request_success_total adds up with the counts of the latency and
+    request-size histograms, and their sums with the response's usage (the prompt once per completion)."""
+    rng = random.Random()
+    names = ["vllm:request_success_total", "vllm:e2e_request_latency_seconds_count",
+             "vllm:time_to_first_token_seconds_count", "vllm:request_prompt_tokens_count",
+             "vllm:request_generation_tokens_count", "vllm:request_prompt_tokens_sum",
+             "vllm:request_generation_tokens_sum"]
+    wait_idle(base_url)
+    before = {k: _series_sum(base_url, k) for k in names}
+    n = rng.randint(2, 4)
+    r = client.completions.create(model=MODEL, prompt=" ".join(rng.sample(PROMPTS, 3)), n=n, temperature=1.0,
+                                  seed=rng.randrange(1 << 30), max_tokens=rng.randint(2, 9), stop=[" "])
+    wait_idle(base_url)
+    d = {k: _series_sum(base_url, k) - before[k] for k in names}
+    assert [d[k] for k in names[:5]] == [n] * 5, d
+    assert d["vllm:request_generation_tokens_sum"] == r.usage.completion_tokens
+    assert d["vllm:request_prompt_tokens_sum"] == n * r.usage.prompt_tokens
+
+
 def test_completion_equals_offline(client, offline):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
     ref = offline(PROMPTS[0], 8)
