@@ -81,6 +81,12 @@ class StateCheckpointPool:
             self._lru[row] = key
         self._pending.clear()
 
+    def discard_pending(self) -> None:
+        """Free the pending rows unwritten (the step that was to write them failed): a commit
+        would let later prompts resume from whatever the rows held."""
+        self._free.extend(self._pending.values())
+        self._pending.clear()
+
     def reset(self) -> None:
         """Drop every checkpoint, pending ones too."""
         self.__init__(self.num_checkpoints, self.first_row)

@@ -195,13 +195,17 @@ class LLMEngine:
         return step
 
     def _schedule_and_run(self) -> _Step | None:
-        """Schedule a batch, run the forward over it and launch its sampling; None when there
-        is nothing to run."""
+        """Schedule a batch, run its forward and launch its sampling (None: nothing to run)."""
         sched = self.scheduler.schedule() if self.spec is None else self.spec.schedule(self.scheduler)  # + drafts
         self.stats.preemptions += len(sched.preempted)
         if sched.is_empty:
             return None
-        result = self.runner.execute(sched.scheduled, self.spec.take_state_loads() if self.spec else ())
+        try:
+            result = self.runner.execute(sched.scheduled, self.spec.take_state_loads() if self.spec else ())
+        except BaseException:  # the checkpoint rows it was to save are unwritten: no prompt may resume from them
+            if self.scheduler.prefix_cache is not None:
+                self.scheduler.prefix_cache.checkpoints.discard_pending()
+            raise
         return _Step(sched.scheduled, result, self._sample(result))
 
     def _sample(self, result: StepLogits) -> PendingSample | None:

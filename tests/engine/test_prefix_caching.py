@@ -6,6 +6,8 @@ The reference is the same model with enable_prefix_caching=False (outputs depend
 prompt: batching, chunking and preemption are tested against each other in test_engine.py).
 """
 
+import random
+
 import pytest
 import torch
 
@@ -262,3 +264,36 @@ def test_cache_salt_shares_only_among_requests_with_the_same_salt(name):
     runs = [run(s) for s in (None, "tenant-a", "tenant-a", "tenant-b", None, "tenant-b")]
     assert all(tokens == want for tokens, _ in runs)
     assert [cached for _, cached in runs] == [0, 0, 24, 0, 24, 24]
+
+
+@pytest.mark.parametrize("name", ["mamba2", "mamba1"])
+def test_a_step_that_fails_leaves_no_checkpoint_behind(name):
+    """A step that raises never wrote the checkpoint rows it reserved: once its request is aborted
+    (as the server does), the same prompt must not resume from them. Models without attention
+    match on checkpoints alone; logprobs compared with caching off (greedy tokens could agree)."""
+    llm = make(name)
+    engine = llm.llm_engine
+    prompt = tokens_of(name, random.randrange(1 << 30))(5 * M + 3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    real, calls = engine.runner.execute, []
+
+    def fails_first(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real(*args, **kw)
+
+    engine.runner.execute = fails_first
+    engine.add_request("failed", {"prompt_token_ids": prompt}, params)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.abort_request("failed")
+    got, want = [], []
+    for _ in range(2):  # the repeat resumes from the checkpoints the second run wrote
+        generate(llm, [prompt], params, got)
+    generate(make(name, enable_prefix_caching=False), [prompt], params, want)
+    assert got[1].num_cached_tokens > 0
+    for out in got:
+        lps = [[d[t].logprob for d, t in zip(o.logprobs, o.token_ids)] for o in (out.outputs[0], want[0].outputs[0])]
+        assert out.outputs[0].token_ids == want[0].outputs[0].token_ids
+        torch.testing.assert_close(torch.tensor(lps[0]), torch.tensor(lps[1]), rtol=0, atol=1e-4)
