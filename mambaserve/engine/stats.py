@@ -67,7 +67,10 @@ class EngineUsage:
     num_slots_total: state slots held by sequences / handed out at most (the scratch slot not
     counted). num_blocks_used / num_blocks_total: KV blocks (0 / 0 without attention layers).
     prompt_tokens: prompt tokens computed for the first time (a recompute after preemption is
-    not counted again); generation_tokens: tokens sampled and kept; steps: steps processed;
+    not counted again); prompt_tokens_seen / prompt_tokens_cached: each sequence's whole prompt
+    and the part of it its first admission found cached, counted once at its first prefill step
+    (vLLM's vllm:prompt_tokens and vllm:prompt_tokens_cached: n x the prompt for n > 1);
+    generation_tokens: tokens sampled and kept; steps: steps processed;
     preemptions: sequences preempted by recompute. step_breakdown: per kind of step (a copy).
     structured_output_mask_s: host seconds spent filling grammar masks, on whichever thread;
     structured_output_host_s: the engine thread's seconds on structured outputs (accepting
@@ -93,6 +96,8 @@ class EngineUsage:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_decode: SpecDecodeStats = field(default_factory=lambda: SpecDecodeStats())
+    prompt_tokens_seen: int = 0
+    prompt_tokens_cached: int = 0
 
 
 @dataclass
@@ -100,6 +105,8 @@ class EngineStats:
     """Counters of the engine loop (EngineUsage's fields of the same names)."""
 
     prompt_tokens: int = 0
+    prompt_tokens_seen: int = 0
+    prompt_tokens_cached: int = 0
     generation_tokens: int = 0
     steps: int = 0
     preemptions: int = 0
@@ -119,6 +126,9 @@ class EngineStats:
             start = max(before, seq.num_prompt_tokens_counted)
             end = min(seq.num_computed_tokens, seq.num_prompt_tokens)
             if end > start:
+                if seq.num_prompt_tokens_counted == 0:  # its first prefill step (>= 1 token is computed)
+                    self.prompt_tokens_seen += seq.num_prompt_tokens
+                    self.prompt_tokens_cached += seq.num_cached_tokens
                 self.prompt_tokens += end - start
                 seq.num_prompt_tokens_counted = end
 
@@ -145,7 +155,8 @@ class EngineStats:
             num_slots_used=slot_pool.num_used, num_slots_total=slot_pool.num_slots,
             num_blocks_used=block_pool.num_used if block_pool is not None else 0,
             num_blocks_total=block_pool.num_blocks if block_pool is not None else 0,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            prompt_tokens=self.prompt_tokens, prompt_tokens_seen=self.prompt_tokens_seen,
+            prompt_tokens_cached=self.prompt_tokens_cached, generation_tokens=self.generation_tokens,
             steps=self.steps, preemptions=self.preemptions, step_breakdown=self.breakdown_copy(),
             structured_output_mask_s=structured_outputs.mask_seconds,
             structured_output_host_s=structured_outputs.host_seconds,

@@ -37,8 +37,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Metric names and labels are vLLM's, so that its Grafana dashboard and alerts work unchanged;
 # the state slots and KV blocks as counts are ours (mambaserve:...).
 VLLM_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
-                "vllm:request_success_total", "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
+                "vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total", "vllm:prompt_tokens_by_source_total",
+                "vllm:generation_tokens_total", "vllm:num_preemptions_total", "vllm:request_success_total",
+                "vllm:time_to_first_token_seconds", "vllm:time_per_output_token_seconds",
                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:request_prompt_tokens",
                 "vllm:request_generation_tokens", "vllm:avg_generation_throughput_toks_per_s")
 # exposed once speculative decoding drafts (`SpecDecodeCollector`)
@@ -81,7 +82,13 @@ class ServerMetrics:
         self.blocks_total = gauge("mambaserve:kv_blocks_total", "Paged KV-cache blocks in the pool.")
         self.throughput = gauge("vllm:avg_generation_throughput_toks_per_s",
                                 f"Generated tokens per second over the last {_THROUGHPUT_WINDOW_S:.0f} s.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens prefilled (recomputes not counted again).")
+        # vLLM's accounting: every sequence's whole prompt once (cached tokens included), split by source
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of each sequence, cached ones included.")
+        self.prompt_tokens_cached = counter("vllm:prompt_tokens_cached", "Prompt tokens served from the prefix cache.")
+        by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV and states came from.",
+                            labels + ["source"], registry=r)
+        self.prompt_tokens_computed = by_source.labels(model_name, "local_compute")
+        self.prompt_tokens_hit = by_source.labels(model_name, "local_cache_hit")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted by recompute.")
         self.aborted = counter("mambaserve:request_aborted", "Requests aborted (client gone, shutdown, error).")
@@ -100,7 +107,8 @@ class ServerMetrics:
                                                _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Generated tokens of finished requests.", _TOKEN_BUCKETS)
-        self._last_stats = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0}
+        self._last_stats = {"prompt_tokens_seen": 0, "prompt_tokens_cached": 0, "prompt_tokens_computed": 0,
+                            "generation_tokens": 0, "preemptions": 0}
         self._window: collections.deque[tuple[float, int]] = collections.deque()  # (time, tokens so far)
         self.throughput.set_function(self._throughput)
         self.prefix_cache = PrefixCacheCollector(model_name)
@@ -121,12 +129,16 @@ class ServerMetrics:
         self.blocks_total.set(usage.num_blocks_total)
         self.cache_usage.set(max(usage.num_slots_used / max(usage.num_slots_total, 1),
                                  usage.num_blocks_used / max(usage.num_blocks_total, 1)))
-        for name, counter in (("prompt_tokens", self.prompt_tokens), ("generation_tokens", self.generation_tokens),
-                              ("preemptions", self.preemptions)):
-            value = getattr(usage, name)
+        computed = usage.prompt_tokens_seen - usage.prompt_tokens_cached
+        for name, counters in (("prompt_tokens_seen", (self.prompt_tokens,)),
+                               ("prompt_tokens_cached", (self.prompt_tokens_cached, self.prompt_tokens_hit)),
+                               ("prompt_tokens_computed", (self.prompt_tokens_computed,)),
+                               ("generation_tokens", (self.generation_tokens,)), ("preemptions", (self.preemptions,))):
+            value = computed if name == "prompt_tokens_computed" else getattr(usage, name)
             delta = value - self._last_stats[name]
             if delta > 0:
-                counter.inc(delta)
+                for counter in counters:
+                    counter.inc(delta)
             self._last_stats[name] = value
         now = time.monotonic()
         self._window.append((now, usage.generation_tokens))

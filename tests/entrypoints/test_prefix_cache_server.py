@@ -115,6 +115,44 @@ def test_cache_salt_shares_a_prefix_only_with_the_same_salt(served):
         assert chat[:2] == [0, 0] and chat[2] > 0
 
 
+def _series(url) -> dict[str, float]:
+    """/metrics as {name{labels}: value}, the model_name label dropped."""
+    out = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("vllm:prompt_tokens"):
+            name, value = line.rsplit(" ", 1)
+            out[name.replace(f'model_name="{MODEL}"', "").replace("{}", "").replace("{,", "{")] = float(value)
+    return out
+
+
+def test_prompt_token_counters_count_as_vllm_does(served):
+    """vLLM's vllm:prompt_tokens counts every sequence's whole prompt, cached tokens included (n x
+    the prompt for n > 1), vllm:prompt_tokens_cached the cached part, and prompt_tokens_by_source
+    splits the first into local_compute + local_cache_hit; each request's usage says its share."""
+    url, server = served
+    rng = random.Random()
+    prompts = [_prompt(rng, 3 * MAMBA_BLOCK + 5), _prompt(rng, 2 * MAMBA_BLOCK + 1)]
+    offline = LLM(tokenized_checkpoint(), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, mamba_block_size=MAMBA_BLOCK)
+    wait_idle(url)
+    assert server.engine.engine.reset_prefix_cache()  # a cold cache, as the offline engine's
+    before = _series(url)
+    want_total = 0
+    with _client(url) as c:
+        for p, n in ((prompts[0], 1), (prompts[0], 2), (prompts[1], 3), (prompts[0], 1)):
+            c.completions.create(model=MODEL, prompt=p, n=n, temperature=0.0, max_tokens=2)
+            offline.generate({"prompt_token_ids": p}, SamplingParams(n=n, temperature=0.0, max_tokens=2),
+                             use_tqdm=False)
+            want_total += n * len(p)
+    wait_idle(url)
+    got = {k: v - before.get(k, 0.0) for k, v in _series(url).items()}
+    ref = offline.llm_engine.usage()
+    assert got["vllm:prompt_tokens_total"] == want_total == ref.prompt_tokens_seen
+    source = 'vllm:prompt_tokens_by_source_total{{source="{}"}}'.format
+    computed, hit = got[source("local_compute")], got[source("local_cache_hit")]
+    assert computed + hit == want_total and hit == got["vllm:prompt_tokens_cached_total"] == ref.prompt_tokens_cached
+    assert hit >= 2 * ((len(prompts[0]) - 1) // MAMBA_BLOCK * MAMBA_BLOCK)  # the repeats of prompts[0] at least
+
+
 def test_reset_prefix_cache_endpoint(served):
     url, server = served
     assert httpx.post(f"{url}/reset_prefix_cache").status_code == 401  # behind the API key
