@@ -283,12 +283,23 @@ def test_a_connection_the_openai_client_still_pools_is_open(base_url):
     expiry = pytest.importorskip("openai._constants").DEFAULT_CONNECTION_LIMITS.keepalive_expiry
     host, port = base_url.removeprefix("http://").split(":")
     get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    def response(s) -> bytes:  # one whole response: headers, then content-length bytes of body
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(65536) or b"<closed>"
+            assert not got.endswith(b"<closed>"), got
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = int(next(h.split(b":")[1] for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += s.recv(65536)
+        return head
+
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(get)
-        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        assert response(s).startswith(b"HTTP/1.1 200")
         time.sleep(expiry + 0.5)  # the client has let go of it by now; the server has not
         s.sendall(get)
-        assert s.recv(65536).startswith(b"HTTP/1.1 200")
+        assert response(s).startswith(b"HTTP/1.1 200")
 
 
 # ---------------------------------------------------------------------------- 12: API keys
