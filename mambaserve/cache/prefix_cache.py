@@ -60,10 +60,10 @@ def chain_root(salt: str | None) -> bytes:
     return _ROOT if salt is None else hashlib.sha256(_ROOT + b"cache_salt" + salt.encode()).digest()
 
 
-def hash_block(parent: bytes | None, token_ids: list[int], salt: str | None = None) -> bytes:
-    """The key of a block of `token_ids` after the chain named `parent` (None: the first block,
-    under the root of `salt`)."""
-    return hashlib.sha256((parent or chain_root(salt)) + _token_bytes(token_ids)).digest()
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    """The key of a block of `token_ids` after the chain named `parent` (None: the first block of
+    an unsalted chain)."""
+    return hashlib.sha256((parent or _ROOT) + _token_bytes(token_ids)).digest()
 
 
 @dataclass

@@ -129,12 +129,14 @@ class ServerMetrics:
         self.blocks_total.set(usage.num_blocks_total)
         self.cache_usage.set(max(usage.num_slots_used / max(usage.num_slots_total, 1),
                                  usage.num_blocks_used / max(usage.num_blocks_total, 1)))
-        computed = usage.prompt_tokens_seen - usage.prompt_tokens_cached
-        for name, counters in (("prompt_tokens_seen", (self.prompt_tokens,)),
-                               ("prompt_tokens_cached", (self.prompt_tokens_cached, self.prompt_tokens_hit)),
-                               ("prompt_tokens_computed", (self.prompt_tokens_computed,)),
-                               ("generation_tokens", (self.generation_tokens,)), ("preemptions", (self.preemptions,))):
-            value = computed if name == "prompt_tokens_computed" else getattr(usage, name)
+        counts = {"prompt_tokens_seen": (usage.prompt_tokens_seen, (self.prompt_tokens,)),
+                  "prompt_tokens_cached": (usage.prompt_tokens_cached,
+                                           (self.prompt_tokens_cached, self.prompt_tokens_hit)),
+                  "prompt_tokens_computed": (usage.prompt_tokens_seen - usage.prompt_tokens_cached,
+                                             (self.prompt_tokens_computed,)),
+                  "generation_tokens": (usage.generation_tokens, (self.generation_tokens,)),
+                  "preemptions": (usage.preemptions, (self.preemptions,))}
+        for name, (value, counters) in counts.items():
             delta = value - self._last_stats[name]
             if delta > 0:
                 for counter in counters:

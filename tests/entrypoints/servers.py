@@ -7,6 +7,7 @@ server extra, which it needs.
 """
 
 import contextlib
+import re
 import threading
 import time
 
@@ -58,13 +59,18 @@ def serve_in_thread(args, start_timeout: float):
         sock.close()
 
 
-def metrics(base_url: str) -> dict[str, float]:
-    """/metrics as {name: value}, labels dropped (one model, so one series per name)."""
+def metrics(base_url: str, labels: bool = False) -> dict[str, float]:
+    """/metrics as {name: value}, labels dropped (one model, so one series per name); with
+    `labels`, names keep their labels but model_name's (`name{source="local_compute"}`)."""
     out = {}
     for line in httpx.get(f"{base_url}/metrics").text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[name.split("{")[0]] = float(value)
+            if labels:
+                name = re.sub(r'model_name="[^"]*",?', "", name).replace("{}", "")
+            else:
+                name = name.split("{")[0]
+            out[name] = float(value)
     return out
 
 

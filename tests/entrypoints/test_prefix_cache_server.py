@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 
 from mambaserve import LLM, SamplingParams  # noqa: E402
 from mambaserve.cache import prefix_cache  # noqa: E402
-from tests.entrypoints.servers import AUTH, KEY, MODEL, NUM_KV_BLOCKS, running_server, wait_idle  # noqa: E402
+from tests.entrypoints.servers import AUTH, KEY, MODEL, NUM_KV_BLOCKS, metrics, running_server, wait_idle  # noqa: E402
 from tests.tokenized import tokenized_checkpoint  # noqa: E402
 
 CORE = hasattr(prefix_cache, "PrefixCache")  # the caching itself, beside the contract's counters
@@ -115,16 +115,6 @@ def test_cache_salt_shares_a_prefix_only_with_the_same_salt(served):
         assert chat[:2] == [0, 0] and chat[2] > 0
 
 
-def _series(url) -> dict[str, float]:
-    """/metrics as {name{labels}: value}, the model_name label dropped."""
-    out = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("vllm:prompt_tokens"):
-            name, value = line.rsplit(" ", 1)
-            out[name.replace(f'model_name="{MODEL}"', "").replace("{}", "").replace("{,", "{")] = float(value)
-    return out
-
-
 def test_prompt_token_counters_count_as_vllm_does(served):
     """vLLM's vllm:prompt_tokens counts every sequence's whole prompt, cached tokens included (n x
     the prompt for n > 1), vllm:prompt_tokens_cached the cached part, and prompt_tokens_by_source
@@ -135,7 +125,7 @@ def test_prompt_token_counters_count_as_vllm_does(served):
     offline = LLM(tokenized_checkpoint(), dtype="float32", num_kv_blocks=NUM_KV_BLOCKS, mamba_block_size=MAMBA_BLOCK)
     wait_idle(url)
     assert server.engine.engine.reset_prefix_cache()  # a cold cache, as the offline engine's
-    before = _series(url)
+    before = metrics(url, labels=True)
     want_total = 0
     with _client(url) as c:
         for p, n in ((prompts[0], 1), (prompts[0], 2), (prompts[1], 3), (prompts[0], 1)):
@@ -144,7 +134,7 @@ def test_prompt_token_counters_count_as_vllm_does(served):
                              use_tqdm=False)
             want_total += n * len(p)
     wait_idle(url)
-    got = {k: v - before.get(k, 0.0) for k, v in _series(url).items()}
+    got = {k: v - before.get(k, 0.0) for k, v in metrics(url, labels=True).items()}
     ref = offline.llm_engine.usage()
     assert got["vllm:prompt_tokens_total"] == want_total == ref.prompt_tokens_seen
     source = 'vllm:prompt_tokens_by_source_total{{source="{}"}}'.format
