@@ -30,7 +30,8 @@ FP8 linear layers at 1 and 8 rows (`FP8_LINEARS`: granite-4.0-tiny-preview's pro
 Extending: write a function that returns a list of `Case` and decorate it with `@register`
 (cases of other ops, e.g. attention or MoE, belong here too). `--sweep` times alternative
 launch configs of the kernels (on scratch state, never on live state) to tune the fixed configs;
-the conv1d kernels' per-GPU table is tuned by benchmarks/tune_conv1d.py instead.
+the conv1d kernels' per-GPU table is tuned by benchmarks/tune_conv1d.py, the SSD scan's configs
+by benchmarks/tune_ssd.py instead.
 
 Usage: python3 benchmarks/kernels.py [--output-json PATH] [--only SUBSTRING] [--sweep]
 Needs a CUDA GPU. Writes JSON to PATH (default: kernels-<gpu>.json in the current folder); the
@@ -59,7 +60,6 @@ from mambaserve import ops  # noqa: E402
 from mambaserve.forward_context import ForwardContext  # noqa: E402
 from mambaserve.ops import conv1d as conv1d_mod  # noqa: E402
 from mambaserve.ops import mamba1_scan as mamba1_scan_mod  # noqa: E402
-from mambaserve.ops import ssd as ssd_mod  # noqa: E402
 from mambaserve.ops import state_update as state_update_mod  # noqa: E402
 
 DEV = "cuda"
@@ -432,20 +432,6 @@ def mamba1_cases() -> list[Case]:
 # --- offline tuning --------------------------------------------------------------------------
 
 SWEEPS = [  # (case name, module, config attribute, variants); the first variant is the default
-    ("ssd_chunk_scan prefill 31500", ssd_mod, "SCAN_CONFIG", [
-        {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2},
-        {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 2},
-        {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 3},
-        {"block_m": 128, "block_k": 64, "block_p": 64, "num_warps": 8, "num_stages": 2},
-        {"block_m": 128, "block_k": 32, "block_p": 64, "num_warps": 8, "num_stages": 3},
-        {"block_m": 64, "block_k": 16, "block_p": 64, "num_warps": 4, "num_stages": 3}]),
-    ("ssd_chunk_scan prefill 31500", ssd_mod, "CB_FP32", [True, False]),
-    ("ssd_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATE_CONFIG", [
-        {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2},
-        {"block_k": 32, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 3},
-        {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 8, "num_stages": 2},
-        {"block_k": 64, "block_p": 64, "block_n": 64, "num_warps": 4, "num_stages": 2}]),
-    ("ssd_chunk_scan prefill 31500", ssd_mod, "CHUNK_STATES_FP32", [True, False]),
     ("ssd_state_update decode 256", state_update_mod, "STATE_UPDATE_CONFIG", [
         {"block_p": 16, "num_warps": 4}, {"block_p": 8, "num_warps": 2}, {"block_p": 4, "num_warps": 4},
         {"block_p": 32, "num_warps": 4}]),
@@ -459,9 +445,8 @@ SWEEPS = [  # (case name, module, config attribute, variants); the first variant
         {"block_d": 32, "num_warps": 2}, {"block_d": 64, "num_warps": 4}, {"block_d": 128, "num_warps": 4},
         {"block_d": 16, "num_warps": 1}]),
 ]
-# measured only, never chosen automatically: storing chunk states in x's dtype rounds every
-# chunk's contribution to the final state
-MEASURE_ONLY = {"CHUNK_STATES_FP32"}
+# measured only, never chosen automatically
+MEASURE_ONLY: set[str] = set()
 
 
 def _fresh_case(name: str) -> Case:
@@ -479,7 +464,6 @@ def sweep(copy_gbs: float, rows: list, save: Callable[[], None], budget_s: float
     best = {}
     t_end = time.perf_counter() + budget_s
     # a config swept on several cases is chosen on the first (later ones are for information);
-    # CHUNK_STATES_FP32 is only measured: storing chunk states in bf16 trades accuracy for time
     chooses = {}
     for case_name, module, attr, _ in SWEEPS:
         if attr not in MEASURE_ONLY:

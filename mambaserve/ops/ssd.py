@@ -10,8 +10,9 @@ rest step 2's; on the host each launch costs more than the cb step's GPU time at
 1. `_chunk_state`, programs (chunks, heads, p/n blocks): dt' = clamp(softplus(dt +
    dt_bias), dt_limit), the in-chunk cumulative sum of dt' A (stored for steps 3 and 4), and
    the chunk's own contribution to the state at its end,
-   s_c = sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T (float32), in two passes over the chunk's
-   rows: the first finds cs_end, the second accumulates s_c in the matrix unit.
+   s_c = sum_l exp(cs_end - cs_l) dt'_l x_l B_l^T (float32), in one pass over the chunk's
+   rows in the matrix unit, the sum kept relative to the end of the rows added so far and
+   rescaled by exp of the next block's total decay before that block goes in.
 2. `_chunk_cb`, programs (chunks x groups, row blocks, column blocks): C B^T of each chunk
    and group, lower block triangle only (shared by all heads of the group).
 3. `_state_passing_kernel`, grid (sequences, heads, state blocks): walks each sequence's chunks
@@ -50,7 +51,9 @@ from mambaserve.ops.dispatch import tl, triton, use_triton
 from mambaserve.ops.varlen import NO_SAVES, SsdChunks, StateSaves, read_offsets, ssd_chunks
 
 # Fixed launch configs; block sizes are capped by the problem's own sizes at launch.
-CHUNK_STATE_CONFIG = {"block_k": 64, "block_p": 64, "block_n": 128, "num_warps": 4, "num_stages": 2}
+# H200 (benchmarks/tune_ssd.py): 2 warps are mma.sync, out of the sm_90 wgmma pipelining hazard
+# with a register operand (4 warps, 2 stages: 1.5% faster, in the hazard's class)
+CHUNK_STATE_CONFIG = {"block_k": 32, "block_p": 64, "block_n": 128, "num_warps": 2, "num_stages": 2}
 # the C B^T step runs in the chunk-state step's launch, with its num_warps and num_stages; from
 # SEPARATE_CB_MIN_TOKENS tokens in a step the two run as two launches of the kernel compiled
 # apart (long prefills: the kernel time outweighs one launch)
@@ -63,7 +66,13 @@ CHUNK_STATES_FP32 = True
 # C B^T is stored in float32; False stores it in x's dtype (it only feeds a matrix product
 # whose operand is rounded to x's dtype anyway), halving the kernel's largest re-read.
 CB_FP32 = True
-SCAN_CONFIG = {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 4, "num_stages": 2}
+# H200 (benchmarks/tune_ssd.py, results/h200/kernels/tune-ssd.json): one stage, 64-row k blocks:
+# 0.85x the time of {block_k 32, num_stages 2} on the model shapes of state size 128; a state of
+# 64 takes 8 warps and 32-row k blocks (0.82x). num_stages 1 also keeps the register operand of
+# each tl.dot out of Triton's sm_90 pipelining of wgmma across the loop's back-edge.
+SCAN_CONFIG = {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 1}
+SCAN_CONFIG_SMALL_STATE = {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 8, "num_stages": 1}
+SMALL_STATE_MAX_DSTATE = 64
 
 
 @triton.jit
@@ -104,25 +113,10 @@ def _chunk_state(
     k_write = (pid_pn == 0).to(tl.int32) * chunk_len
 
     t_base = h.to(tl.int64) * num_tokens + start  # row of this chunk in the (nheads, tokens) buffers
-    # pass 1: dt' and the in-chunk cumsum cs of dt' A (stored for the scan), and the chunk total
-    cs_carry = A * 0.0
-    for k0 in range(0, chunk_len, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < chunk_len
-        dt = tl.load(dt_ptr + (start + k) * stride_dt_t + h * stride_dt_h, mask=k_mask, other=0.0).to(tl.float32)
-        dt = tl.where(k_mask, process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
-        dA = dt * A
-        cs = cs_carry + tl.cumsum(dA, axis=0)
-        tl.store(dt_out_ptr + t_base + k, dt, mask=k < k_write)
-        tl.store(cs_out_ptr + t_base + k, cs, mask=k < k_write)
-        # carry the cumsum of the block's last row itself, not cs_carry + sum(dA): the two round
-        # differently, and exp(total - cs_l) must be exactly 1 at the chunk's last row (with
-        # |cs| in the thousands one ulp is 1e-4..1e-3 relative in every chunk state)
-        cs_carry = tl.sum(tl.where(k == tl.minimum(k0 + BLOCK_K, chunk_len) - 1, cs, 0.0), axis=0)
-    total = cs_carry  # == the stored cs of the chunk's last row, bit for bit
-
-    # pass 2: s_c = sum_l exp(total - cs_l) dt'_l x_l B_l^T, accumulated in place by tl.dot
-    # (dt' and cs are recomputed bit for bit: cheaper than a barrier and a reload)
+    # the accumulator is kept relative to the cumsum at the end of the block last added; the
+    # cumsum of each block's last row itself is carried, not cs_carry + sum(dA): exp(block_end -
+    # cs) is then exactly 1 at that row, and `total` equals the stored cs of the chunk's last
+    # row bit for bit (with |cs| in the thousands one ulp is 1e-4..1e-3 relative)
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     cs_carry = A * 0.0
     for k0 in range(0, chunk_len, BLOCK_K):
@@ -130,17 +124,20 @@ def _chunk_state(
         k_mask = k < chunk_len
         rows = start + k
         dt = tl.load(dt_ptr + rows * stride_dt_t + h * stride_dt_h, mask=k_mask, other=0.0).to(tl.float32)
-        dt = tl.where(k_mask, process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max), 0.0)
-        dA = dt * A
-        cs = cs_carry + tl.cumsum(dA, axis=0)
-        cs_carry = tl.sum(tl.where(k == tl.minimum(k0 + BLOCK_K, chunk_len) - 1, cs, 0.0), axis=0)
-        weight = tl.exp(total - cs) * dt  # decay from the row to the end of the chunk, times dt'
+        dt = tl.where(k_mask, process_dt(dt, dt_bias, HAS_DT_BIAS, DT_SOFTPLUS, HAS_DT_LIMIT, dt_min, dt_max),
+                      0.0)
+        cs = cs_carry + tl.cumsum(dt * A, axis=0)
+        tl.store(dt_out_ptr + t_base + k, dt, mask=k < k_write)
+        tl.store(cs_out_ptr + t_base + k, cs, mask=k < k_write)
+        block_end = tl.sum(tl.where(k == tl.minimum(k0 + BLOCK_K, chunk_len) - 1, cs, 0.0), axis=0)
         xT = tl.load(x_ptr + rows[None, :] * stride_x_t + h * stride_x_h + p[:, None] * stride_x_p,
                      mask=p_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        xT = (xT * weight[None, :]).to(OPERAND_DTYPE).to(DOT_DTYPE)
+        xT = (xT * (tl.exp(block_end - cs) * dt)[None, :]).to(OPERAND_DTYPE).to(DOT_DTYPE)
         Bk = tl.load(B_ptr + rows[:, None] * stride_B_t + g * stride_B_g + n[None, :] * stride_B_n,
                      mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
-        acc = tl.dot(xT, Bk, acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(xT, Bk, acc * tl.exp(block_end - cs_carry), input_precision=DOT_PRECISION)
+        cs_carry = block_end
+    total = cs_carry
     if pid_pn == 0:
         tl.store(chunk_dA_ptr + c.to(tl.int64) * nheads + h, total)
     s_ptrs = (states_ptr + (c.to(tl.int64) * nheads + h) * headdim * dstate
@@ -333,8 +330,6 @@ def _chunk_scan_kernel(
     m_mask = m < chunk_len
     p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = p < headdim
-    n = tl.arange(0, BLOCK_N)
-    n_mask = n < dstate
     t_base = h.to(tl.int64) * num_tokens + start  # row of this chunk in the (nheads, tokens) buffers
     # rows past the chunk get cs = -inf: every decay into them is exactly 0 (no inf * 0)
     cs_m = tl.load(cs_ptr + t_base + m, mask=m_mask, other=float("-inf"))
@@ -345,13 +340,19 @@ def _chunk_scan_kernel(
     # are accumulated relative to c_ref and rescaled once: no pairwise exponentials there.
     c_ref = tl.load(cs_ptr + t_base + m0 - 1, mask=m0 > 0, other=0.0)
 
-    # inter-chunk: the state entering the chunk, read out by C
-    Cm = tl.load(C_ptr + (start + m)[:, None] * stride_C_t + g * stride_C_g + n[None, :] * stride_C_n,
-                 mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
-    hT = tl.load(state_in_ptr + (c.to(tl.int64) * nheads + h) * headdim * dstate
-                 + p[None, :] * dstate + n[:, None],
-                 mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
-    acc = tl.dot(Cm, hT, input_precision=DOT_PRECISION) * tl.exp(c_ref)
+    # inter-chunk: the state entering the chunk, read out by C, BLOCK_N state columns at a time
+    # (a block below dstate holds fewer operand registers)
+    state_base = state_in_ptr + (c.to(tl.int64) * nheads + h) * headdim * dstate
+    acc = tl.zeros((BLOCK_M, BLOCK_P), dtype=tl.float32)
+    for n0 in range(0, dstate, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < dstate
+        Cm = tl.load(C_ptr + (start + m)[:, None] * stride_C_t + g * stride_C_g + n[None, :] * stride_C_n,
+                     mask=m_mask[:, None] & n_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+        hT = tl.load(state_base + p[None, :] * dstate + n[:, None],
+                     mask=n_mask[:, None] & p_mask[None, :], other=0.0).to(OPERAND_DTYPE).to(DOT_DTYPE)
+        acc = tl.dot(Cm, hT, acc, input_precision=DOT_PRECISION)
+    acc = acc * tl.exp(c_ref)
 
     # intra-chunk, rows wholly before this block (k < m0 <= chunk_len: no row masks needed)
     cb_base = cb_ptr + (c.to(tl.int64) * ngroups + g) * chunk_size * chunk_size
@@ -590,12 +591,13 @@ def _launch_params(chunks: SsdChunks, nheads: int, headdim: int, dstate: int, ng
     passing_grid = (cdiv(headdim * dstate, block), nheads, chunks.batch)
     passing_kw = dict(HAS_SAVES=chunks.save_row is not None, BLOCK=block, num_warps=cfg["num_warps"])
 
-    cfg = SCAN_CONFIG
+    cfg = SCAN_CONFIG_SMALL_STATE if dstate <= SMALL_STATE_MAX_DSTATE else SCAN_CONFIG
     bm, bp = _block(cfg["block_m"], chunk_size), _block(cfg["block_p"], headdim)
     bk = min(bm, _block(cfg["block_k"], chunk_size))  # k blocks must tile each row block
     num_m_blocks = cdiv(chunk_size, bm)
     scan_grid = (nc * num_m_blocks * nheads * cdiv(headdim, bp),)
     scan_kw = dict(HAS_D=has_D, HAS_Z=has_z, **dots, BLOCK_M=bm, BLOCK_K=bk, BLOCK_P=bp,
-                   BLOCK_N=max(16, next_power_of_2(dstate)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                   BLOCK_N=_block(cfg.get("block_n", dstate), dstate), num_warps=cfg["num_warps"],
+                   num_stages=cfg["num_stages"])
     return _LaunchParams(lo, hi, num_cb_m, num_m_blocks, state_cb_launches, passing_grid, scan_grid,
                          state_cb_kw, passing_kw, scan_kw)

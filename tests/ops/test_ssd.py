@@ -103,14 +103,15 @@ def test_ssd_chunk_scan_options(device, dtype, pool_dtype):
 @pytest.mark.slow
 def test_ssd_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates, monkeypatch):
     """Blocks smaller than the chunk (as at chunk 256 on the GPU): several row blocks per chunk
-    in every kernel, blocks wholly below the diagonal, dstate split in the C B^T kernel and
-    several state blocks per head in the state passing; C B^T and the chunk states stored in
-    float32 or in x's dtype."""
+    in every kernel, blocks wholly below the diagonal, dstate split in the C B^T kernel and in
+    the chunk scan's state read-out, several state blocks per head in the state passing; C B^T
+    and the chunk states stored in float32 or in x's dtype."""
     monkeypatch.setattr(ssd, "CB_FP32", fp32_intermediates)
     monkeypatch.setattr(ssd, "CHUNK_STATES_FP32", fp32_intermediates)
     monkeypatch.setattr(ssd, "CHUNK_STATE_CONFIG", dict(ssd.CHUNK_STATE_CONFIG, block_k=16, block_n=16))
     monkeypatch.setattr(ssd, "CB_CONFIG", dict(ssd.CB_CONFIG, block_m=16, block_k=16, block_n=16))
-    monkeypatch.setattr(ssd, "SCAN_CONFIG", dict(ssd.SCAN_CONFIG, block_m=16, block_k=16, block_p=16))
+    monkeypatch.setattr(ssd, "SCAN_CONFIG", dict(ssd.SCAN_CONFIG, block_m=16, block_k=16, block_p=16,
+                                                      block_n=16))
     monkeypatch.setattr(ssd, "PASSING_CONFIG", dict(ssd.PASSING_CONFIG, block=128))
     H, P, N, G, Q, num_slots = 2, 24, 32, 2, 48, 5
     lens = [2 * Q + 37, Q - 1, 1]
