@@ -445,8 +445,6 @@ SWEEPS = [  # (case name, module, config attribute, variants); the first variant
         {"block_d": 32, "num_warps": 2}, {"block_d": 64, "num_warps": 4}, {"block_d": 128, "num_warps": 4},
         {"block_d": 16, "num_warps": 1}]),
 ]
-# measured only, never chosen automatically
-MEASURE_ONLY: set[str] = set()
 
 
 def _fresh_case(name: str) -> Case:
@@ -466,8 +464,7 @@ def sweep(copy_gbs: float, rows: list, save: Callable[[], None], budget_s: float
     # a config swept on several cases is chosen on the first (later ones are for information);
     chooses = {}
     for case_name, module, attr, _ in SWEEPS:
-        if attr not in MEASURE_ONLY:
-            chooses.setdefault((module, attr), case_name)
+        chooses.setdefault((module, attr), case_name)
     for case_name, module, attr, variants in SWEEPS:
         original = getattr(module, attr)
         base_out = None

@@ -66,10 +66,11 @@ CHUNK_STATES_FP32 = True
 # C B^T is stored in float32; False stores it in x's dtype (it only feeds a matrix product
 # whose operand is rounded to x's dtype anyway), halving the kernel's largest re-read.
 CB_FP32 = True
-# H200 (benchmarks/tune_ssd.py, results/h200/kernels/tune-ssd.json): one stage, 64-row k blocks:
-# 0.85x the time of {block_k 32, num_stages 2} on the model shapes of state size 128; a state of
-# 64 takes 8 warps and 32-row k blocks (0.82x). num_stages 1 also keeps the register operand of
-# each tl.dot out of Triton's sm_90 pipelining of wgmma across the loop's back-edge.
+# H200 (benchmarks/tune_ssd.py, results/h200/kernels/ssd-launch-configs-chunk-scan.json): one
+# stage, 64-row k blocks: 0.85x the time of {block_k 32, num_stages 2} on the model shapes of
+# state size 128; a state of at most SMALL_STATE_MAX_DSTATE takes 8 warps and 32-row k blocks
+# (0.82x). num_stages 1 also keeps the register operand of each tl.dot out of Triton's sm_90
+# pipelining of wgmma across the loop's back-edge.
 SCAN_CONFIG = {"block_m": 64, "block_k": 64, "block_p": 64, "num_warps": 4, "num_stages": 1}
 SCAN_CONFIG_SMALL_STATE = {"block_m": 64, "block_k": 32, "block_p": 64, "num_warps": 8, "num_stages": 1}
 SMALL_STATE_MAX_DSTATE = 64

@@ -110,8 +110,9 @@ def test_ssd_chunk_scan_many_blocks_per_chunk(device, dtype, fp32_intermediates,
     monkeypatch.setattr(ssd, "CHUNK_STATES_FP32", fp32_intermediates)
     monkeypatch.setattr(ssd, "CHUNK_STATE_CONFIG", dict(ssd.CHUNK_STATE_CONFIG, block_k=16, block_n=16))
     monkeypatch.setattr(ssd, "CB_CONFIG", dict(ssd.CB_CONFIG, block_m=16, block_k=16, block_n=16))
-    monkeypatch.setattr(ssd, "SCAN_CONFIG", dict(ssd.SCAN_CONFIG, block_m=16, block_k=16, block_p=16,
-                                                      block_n=16))
+    small_blocks = dict(ssd.SCAN_CONFIG, block_m=16, block_k=16, block_p=16, block_n=16)
+    monkeypatch.setattr(ssd, "SCAN_CONFIG", small_blocks)
+    monkeypatch.setattr(ssd, "SCAN_CONFIG_SMALL_STATE", small_blocks)  # N = 32 takes this one
     monkeypatch.setattr(ssd, "PASSING_CONFIG", dict(ssd.PASSING_CONFIG, block=128))
     H, P, N, G, Q, num_slots = 2, 24, 32, 2, 48, 5
     lens = [2 * Q + 37, Q - 1, 1]
