@@ -16,6 +16,10 @@ scales) it builds the engine in each of the modes given (`--modes eager,graphed`
   it also reports the host side: wall time with and without the profiler, the CUDA API calls
   that wait for the device (synchronizations, blocking copies), and the host functions with the
   most self time.
+- verify (with `--speculative-k K`): the engine built with n-gram speculation of K drafts and
+  the benchmark knob that forces 70% of them accepted (`engine.spec_decode.ForcedAcceptance`;
+  dummy weights accept none), `--decode-steps` steps after every request of the batch has its
+  first token: each a verify step of K + 1 tokens per sequence. Host side as for mixed steps.
 It prints, per mode and phase, the number of kernels per step (launches), their summed device
 time per step, the wall time per step, and the 25 kernels with the most device time. In graphed
 mode the kernels inside CUDA graph replays are listed where the profiler sees them (CUPTI does on
@@ -243,6 +247,61 @@ def _mixed_phase(llm, args, rng) -> dict:
     return res
 
 
+def _verify_phase(llm, args, rng) -> dict:
+    """`decode_steps` steps of the batch once every request has its first token: verify steps
+    (the engine speculates); profiled, then timed without the profiler, then under cProfile."""
+    import cProfile
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mambaserve import SamplingParams
+    from mambaserve.benchmarks.datasets import random_token_ids
+
+    eng, vocab, steps = llm.llm_engine, llm.llm_engine.vocab_size, args.decode_steps
+    params = SamplingParams(temperature=0.0, max_tokens=4 * (args.speculative_k + 1) * steps + 8, ignore_eos=True)
+    ids = [f"v{i}" for i in range(args.batch_size)]
+    for rid in ids:
+        eng.add_request(rid, {"prompt_token_ids": random_token_ids(rng, args.input_len, vocab)}, params)
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(o.request_id for o in eng.step() if o.outputs[0].token_ids)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+
+    def run() -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        sync()
+        return time.perf_counter() - t0
+
+    run()  # warm-up
+    before = eng.usage().spec_decode
+    wall_plain = run()
+    after = eng.usage().spec_decode
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall_prof = run()
+    cprof = cProfile.Profile()
+    cprof.enable()
+    run()
+    cprof.disable()
+    st = pstats.Stats(cprof)
+    py = sorted(((v[3], v[2], v[1], k) for k, v in st.stats.items()), reverse=True)[:30]  # by cumulative time
+    python_cum = [{"function": f"{k[0].split('/')[-1]}:{k[1]}({k[2]})", "cum_us_per_step": c * 1e6 / steps,
+                   "self_us_per_step": t * 1e6 / steps, "calls_per_step": n / steps} for c, t, n, k in py]
+    for rid in ids:
+        eng.abort_request(rid)
+    res = _summary(_kernels(prof), steps, wall_prof)
+    drafts = after.num_drafts - before.num_drafts
+    res.update({"k": args.speculative_k, "wall_ms_per_step_unprofiled": wall_plain * 1e3 / steps,
+                "verifying_seqs_per_step": drafts / steps,
+                "tokens_per_verify": 1 + (after.num_accepted_tokens - before.num_accepted_tokens) / max(drafts, 1),
+                **_host_summary(prof, steps), "python_cumulative": python_cum})
+    return res
+
+
 def profile_mode(model: str, mode: str, args, hw: dict | None = None) -> dict:
     """One engine in `mode` ("eager" or "graphed", either with "-unfused": the engine built and run
     inside `ops.unfused()`, the decode-step fusions off: the launches before them)."""
@@ -272,8 +331,19 @@ def _profile_mode(model: str, mode: str, args, hw: dict | None, label: str) -> d
         kw["enforce_eager"] = True
     if args.quantization:
         kw["quantization"] = args.quantization
+    if args.speculative_k:
+        from mambaserve.engine.spec_decode import FORCE_ACCEPT_ENV
+
+        kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.speculative_k,
+                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        kw["max_model_len"] += 8 * (args.speculative_k + 1) * args.decode_steps
+        os.environ[FORCE_ACCEPT_ENV] = "0.7"  # read when the engine is built
     t0 = time.perf_counter()
-    llm = LLM(model, **kw)
+    try:
+        llm = LLM(model, **kw)
+    finally:
+        if args.speculative_k:
+            del os.environ[FORCE_ACCEPT_ENV]
     build_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     prompts = [random_token_ids(rng, args.input_len, llm.llm_engine.vocab_size) for _ in range(args.batch_size)]
@@ -286,6 +356,8 @@ def _profile_mode(model: str, mode: str, args, hw: dict | None, label: str) -> d
            "decode": _summary(_diff(full, pre), args.decode_steps, full_wall - pre_wall)}
     if args.mixed_decodes:
         res["mixed"] = _mixed_phase(llm, args, rng)
+    if args.speculative_k:
+        res["verify"] = _verify_phase(llm, args, rng)
     runner = llm.llm_engine.runner
     if hw is not None:
         try:
@@ -295,16 +367,20 @@ def _profile_mode(model: str, mode: str, args, hw: dict | None, label: str) -> d
         else:
             add_floor(res, shape, args, runner.max_num_batched_tokens, hw)
     name = Path(model).stem + (f" {args.quantization}" if args.quantization else "")
-    for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
+    for phase in [p for p in ("prefill", "decode", "mixed", "verify") if p in res]:
         s = res[phase]
-        extra = f", unprofiled wall {s['wall_ms_per_step_unprofiled']:.3f} ms/step" if phase == "mixed" else ""
+        extra = f", unprofiled wall {s['wall_ms_per_step_unprofiled']:.3f} ms/step" if phase in ("mixed", "verify") \
+            else ""
+        if phase == "verify":
+            extra += f", {s['verifying_seqs_per_step']:.1f} verifying, {s['tokens_per_verify']:.2f} tokens/verify"
         print(f"[{name} {label} {phase}] wall {s['wall_ms_per_step']:.3f} ms/step, {s['kernels_per_step']:.1f} "
               f"kernels/step, kernel time {s['kernel_ms_per_step']:.3f} ms/step{extra}")
         for row in s["top"][:25 if phase == "decode" else 15]:
             print(f"    {row['us_per_step']:9.1f} us  x{row['count_per_step']:6.1f}  {row['group']:12s} "
                   f"{row['name'][:100]}")
-        if phase == "mixed":
-            print(f"    step kinds: {s['step_kinds']}")
+        if phase in ("mixed", "verify"):
+            if phase == "mixed":
+                print(f"    step kinds: {s['step_kinds']}")
             for key in ("waits", "cuda_api", "host_ops"):
                 for row in s[key][:12]:
                     print(f"    host {key:8s} {row['self_us_per_step']:9.1f} us  x{row['count_per_step']:7.1f}  "
@@ -334,6 +410,8 @@ def main() -> int:
                     help="also profile steps of this many decodes plus one new prompt of --input-len tokens")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="the engine's quantization (fp8: online, weights per output row; default: none)")
+    ap.add_argument("--speculative-k", type=int, default=0,
+                    help="also profile verify steps of this many n-gram drafts (70%% forced acceptance)")
     ap.add_argument("--share", type=float, default=0.4, help="gpu_memory_utilization of each engine")
     ap.add_argument("--no-floor", action="store_true", help="skip the hardware measurement and floor tables")
     ap.add_argument("--output-json", default=None)
@@ -348,7 +426,8 @@ def main() -> int:
     result = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model,
               "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "hardware": hw,
               "input_len": args.input_len, "quantization": args.quantization,
-              "batch_size": args.batch_size, "decode_steps": args.decode_steps, "modes": {}}
+              "batch_size": args.batch_size, "decode_steps": args.decode_steps,
+              "speculative_k": args.speculative_k, "modes": {}}
     for mode in args.modes.split(","):
         result["modes"][mode] = profile_mode(model, mode, args, hw)
         if args.output_json:
@@ -362,7 +441,7 @@ def summary_lines(result: dict) -> list[str]:
     """One line per mode and phase: launches, kernel and wall time per step, the floor beside them."""
     lines = []
     for mode, res in result["modes"].items():
-        for phase in [p for p in ("prefill", "decode", "mixed") if p in res]:
+        for phase in [p for p in ("prefill", "decode", "mixed", "verify") if p in res]:
             s = res[phase]
             quant = f" {result['quantization']}" if result.get("quantization") else ""
             line = (f"[summary {result['model']}{quant} in{result['input_len']} bs{result['batch_size']} {mode} "
