@@ -15,6 +15,12 @@
     verify step (ms, host included, as the engine steps), their ratio, and the end-to-end
     decode tokens/s of each; at batch 1 their ratio is the decode speed-up (target >= 2x).
 
+(c) timeline (with --parts timeline): the same speculating engines as (b), per verify step
+    the host time of each part of the step (scheduling with the drafts, the runner's prepare,
+    the accepted-state copies, the graph launch call, the wait for the tokens plus the
+    rejection sampler, the output processor) and the device time from just before the graph
+    launch to its end (CUDA events): what the host adds to a step that does not overlap it.
+
 Decode steps are timed after every request of the batch has its first token. The JSON holds
 the model, the GPU name, the commit ($MAMBASERVE_COMMIT when there is no .git) and the figures;
 it is written after each measurement, so a timeout keeps what was measured. --smoke shrinks
@@ -178,9 +184,89 @@ def bench_cost(model: str, args, log, records: list, save) -> None:
             f"{rec['decode_tok_s_spec']:.0f} tok/s ({rec['decode_speedup']:.2f}x)")
 
 
+def bench_timeline(model: str, args, log, records: list, save) -> None:
+    """Per verify step: host milliseconds of each part and the graph's device time (module docstring, (c))."""
+    import torch
+
+    from mambaserve import LLM
+
+    path = model if os.path.exists(model) else str(REPO / "benchmarks" / "configs" / f"{model}.json")
+    common = {"model": path, "dtype": args.dtype, "load_format": args.load_format, "device": args.device,
+              "skip_tokenizer_init": True, "seed": 0, "max_model_len": args.input_len + args.output_len + 64,
+              "enforce_eager": args.enforce_eager}
+    if args.device != "cpu":
+        common["gpu_memory_utilization"] = args.gpu_memory_utilization
+    os.environ[FORCE_ENV] = str(args.accept)
+    try:
+        llm = LLM(speculative_config=ngram(4), **common)
+    finally:
+        del os.environ[FORCE_ENV]
+    eng = llm.llm_engine
+    host: dict[str, float] = {}
+    events: list = []
+    on = [False]
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            if not on[0]:
+                return fn(*a, **kw)
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                host[name] = host.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    for obj, attr, name in ((eng.spec, "schedule", "schedule"), (eng.runner, "prepare", "prepare"),
+                            (eng.runner, "_copy_states", "state_copies"), (eng.spec, "verify", "wait_and_verify"),
+                            (eng.output_processor, "process", "output_processor")):
+        setattr(obj, attr, timed(name, getattr(obj, attr)))
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    replay = torch.cuda.CUDAGraph.replay
+
+    def timed_replay(graph):
+        if not on[0] or not cuda:
+            return replay(graph)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t = time.perf_counter()
+        replay(graph)
+        host["graph_launch"] = host.get("graph_launch", 0.0) + time.perf_counter() - t
+        b.record()
+        events.append((a, b))
+
+    torch.cuda.CUDAGraph.replay = timed_replay
+    vocab, rng = eng.vocab_size, random.Random(0)
+    try:
+        for batch in args.batch_sizes:
+            prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(args.input_len)]}
+                       for _ in range(batch)]
+            run_batch(eng, prompts, 16)  # warm-up
+            host.clear()
+            events.clear()
+            on[0] = True
+            run = run_batch(eng, prompts, args.output_len)
+            on[0] = False
+            if cuda:
+                torch.cuda.synchronize()
+            steps = max(run["decode_steps"], 1)
+            device_ms = sum(a.elapsed_time(b) for a, b in events) / max(len(events), 1)
+            rec = {"model": model, "batch_size": batch, "steps": run["decode_steps"],
+                   "step_ms": 1e3 * run["decode_seconds"] / steps, "graph_replays": len(events),
+                   "graph_device_ms": device_ms if events else None,
+                   "host_ms": {k: 1e3 * v / steps for k, v in host.items()}}
+            records.append(rec)
+            save()
+            parts = ", ".join(f"{k} {v:.3f}" for k, v in rec["host_ms"].items())
+            log(f"[timeline {model} bs{batch}] step {rec['step_ms']:.3f} ms, graph on the device "
+                f"{device_ms:.3f} ms ({len(events)} replays of {steps} steps); host ms per step: {parts}")
+    finally:
+        torch.cuda.CUDAGraph.replay = replay
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", nargs="+", default=["acceptance", "cost"], choices=["acceptance", "cost"])
+    p.add_argument("--parts", nargs="+", default=["acceptance", "cost"], choices=["acceptance", "cost", "timeline"])
     p.add_argument("--models", nargs="+", default=MODELS, help="config names or paths for the cost part")
     p.add_argument("--output", required=True, help="the JSON record")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (the test of this script)")
@@ -207,7 +293,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     record = {"benchmark": "spec_decode", "commit": git_commit(), "environment": environment_info(device=args.device),
-              "args": vars(args), "target_decode_speedup_bs1": TARGET_SPEEDUP, "acceptance": None, "cost": []}
+              "args": vars(args), "target_decode_speedup_bs1": TARGET_SPEEDUP, "acceptance": None, "cost": [],
+              "timeline": []}
 
     def save():
         write_json(args.output, record)
@@ -219,6 +306,9 @@ def main(argv=None) -> int:
     if "cost" in args.parts:
         for model in args.models:
             bench_cost(model, args, log, record["cost"], save)
+    if "timeline" in args.parts:
+        for model in args.models:
+            bench_timeline(model, args, log, record["timeline"], save)
     save()
     return 0
 
