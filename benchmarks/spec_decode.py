@@ -67,9 +67,10 @@ def ngram(k: int) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
-def run_batch(engine, prompts, max_tokens: int) -> dict:
+def run_batch(engine, prompts, max_tokens: int, on_decode=None) -> dict:
     """Add the prompts (greedy, EOS ignored), step until each has its first token, then time every
-    step until all finish. Returns decode steps, their seconds, decode tokens and the outputs."""
+    step until all finish (on_decode(): called once, just before). Returns decode steps, their
+    seconds, decode tokens and the outputs."""
     from mambaserve import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -82,6 +83,8 @@ def run_batch(engine, prompts, max_tokens: int) -> dict:
             if o.finished:
                 outputs[o.request_id] = o.outputs[0].token_ids
     first = len(ids)  # one token each before the timer
+    if on_decode is not None:
+        on_decode()
     steps, times = 0, []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
@@ -219,8 +222,11 @@ def bench_timeline(model: str, args, log, records: list, save) -> None:
 
     for obj, attr, name in ((eng.spec, "schedule", "schedule"), (eng.runner, "prepare", "prepare"),
                             (eng.runner, "_copy_states", "state_copies"), (eng.spec, "verify", "wait_and_verify"),
-                            (eng.output_processor, "process", "output_processor")):
+                            (eng.output_processor, "process", "output_processor"), (eng, "step", "step"),
+                            (eng.runner, "run", "runner_run"), (eng, "_update", "update")):
         setattr(obj, attr, timed(name, getattr(obj, attr)))
+    for graphs in getattr(eng.runner, "verify_graphs", {}).values():  # staging the inputs + the launch
+        graphs.run = timed("verify_graph_run", graphs.run)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     replay = torch.cuda.CUDAGraph.replay
 
@@ -244,8 +250,7 @@ def bench_timeline(model: str, args, log, records: list, save) -> None:
             run_batch(eng, prompts, 16)  # warm-up
             host.clear()
             events.clear()
-            on[0] = True
-            run = run_batch(eng, prompts, args.output_len)
+            run = run_batch(eng, prompts, args.output_len, on_decode=lambda: on.__setitem__(0, True))
             on[0] = False
             if cuda:
                 torch.cuda.synchronize()

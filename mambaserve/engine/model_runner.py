@@ -29,6 +29,7 @@ from mambaserve.engine.step_input import StepInput, share_step
 from mambaserve.engine.warm_up import warm_up_attention
 from mambaserve.forward_context import ForwardContext
 from mambaserve.loader import DTYPES, load_config, load_model
+from mambaserve.ops import copy_state_rows
 from mambaserve.ops.common import pack_to_device, to_device
 
 logger = logging.getLogger("mambaserve")
@@ -324,15 +325,9 @@ class ModelRunner:
 
     def _copy_states(self, pairs: list[tuple[int, int]]) -> None:
         """Copy state rows src -> dst of every Mamba layer's conv and SSM state, for (src, dst)
-        in pairs (prefix caching's checkpoints): one multi-tensor copy launch per state dtype
-        (the fused path takes one dtype a call) for all layers, over the rows' kept views."""
-        if not pairs:
-            return
-        rows = self.caches.state_row_views
-        dst, src = [rows(d) for _, d in pairs], [rows(s) for s, _ in pairs]
-        for k, group in enumerate(dst[0]):  # tensor-major, then pair, as before
-            torch._foreach_copy_([v[k][i] for i in range(len(group)) for v in dst],
-                                 [v[k][i] for i in range(len(group)) for v in src])
+        in pairs (speculative decoding's accepted states, prefix caching's checkpoints): one
+        launch per state stack (`ops.copy_state_rows`)."""
+        copy_state_rows(self.caches.state_stacks, pairs)
 
     def _forward(self, step: StepInput, tokens: torch.Tensor | None
                  ) -> tuple[torch.Tensor | None, list[torch.Tensor], str]:

@@ -27,6 +27,7 @@ from mambaserve.ops.layernorm_gated import fused_add_rms_norm, rms_norm_gated
 from mambaserve.ops.mamba1_scan import selective_scan, selective_scan_update
 from mambaserve.ops.moe import fused_moe, router_topk, topk_softmax
 from mambaserve.ops.ssd import ssd_chunk_scan
+from mambaserve.ops.state_copy import copy_state_rows
 from mambaserve.ops.state_update import ssd_state_update
 from mambaserve.ops.varlen import SsdChunks, TokenBlocks
 from mambaserve.ops.verify import causal_conv1d_verify, ssd_state_verify
@@ -48,6 +49,8 @@ __all__ = [
     # speculative decoding's verify rows: the decode updates over k + 1 positions, a state per position
     "causal_conv1d_verify",
     "ssd_state_verify",
+    # state rows of every layer copied at once (accepted drafts' states, prefix-cache checkpoints)
+    "copy_state_rows",
     # attention over the paged KV cache
     "reshape_and_cache",
     "paged_attention",
