@@ -150,15 +150,21 @@ def bench_acceptance(args, log) -> dict:
     return rec
 
 
-def bench_cost(model: str, args, log, records: list, save) -> None:
-    from mambaserve import LLM
-
+def engine_kwargs(model: str, args) -> dict:
+    """The LLM arguments of the cost and timeline parts: a config of benchmarks/configs/ (or a path)."""
     path = model if os.path.exists(model) else str(REPO / "benchmarks" / "configs" / f"{model}.json")
     common = {"model": path, "dtype": args.dtype, "load_format": args.load_format, "device": args.device,
               "skip_tokenizer_init": True, "seed": 0, "max_model_len": args.input_len + args.output_len + 64,
               "enforce_eager": args.enforce_eager}
     if args.device != "cpu":
         common["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return common
+
+
+def bench_cost(model: str, args, log, records: list, save) -> None:
+    from mambaserve import LLM
+
+    common = engine_kwargs(model, args)
     plain_llm = LLM(**common)
     os.environ[FORCE_ENV] = str(args.accept)
     try:
@@ -193,12 +199,7 @@ def bench_timeline(model: str, args, log, records: list, save) -> None:
 
     from mambaserve import LLM
 
-    path = model if os.path.exists(model) else str(REPO / "benchmarks" / "configs" / f"{model}.json")
-    common = {"model": path, "dtype": args.dtype, "load_format": args.load_format, "device": args.device,
-              "skip_tokenizer_init": True, "seed": 0, "max_model_len": args.input_len + args.output_len + 64,
-              "enforce_eager": args.enforce_eager}
-    if args.device != "cpu":
-        common["gpu_memory_utilization"] = args.gpu_memory_utilization
+    common = engine_kwargs(model, args)
     os.environ[FORCE_ENV] = str(args.accept)
     try:
         llm = LLM(speculative_config=ngram(4), **common)
