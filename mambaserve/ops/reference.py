@@ -398,10 +398,3 @@ def topk_softmax(logits, top_k, out_dtype, num_shared=0, renormalize=True):
         ids = torch.cat([ids, extra], dim=1)
         weights = torch.cat([weights, torch.ones(T, num_shared, dtype=out_dtype, device=weights.device)], dim=1)
     return weights, ids
-
-
-def copy_state_rows(stacks, src, dst):
-    """stack[:, dst[p]] = stack[:, src[p]] for every stack (all reads before the writes)."""
-    for s in stacks:
-        d, r = torch.tensor(dst, device=s.device), torch.tensor(src, device=s.device)
-        s[:, d] = s[:, r]

@@ -6,14 +6,14 @@ the next step, and prefix caching copies slots to and from checkpoint rows. The 
 are stacked per (shape, dtype) (`cache.tensors.allocate_caches`), so one launch per stack
 copies a row of every layer: per-layer copies cost the host ~2 us a tensor (a multi-tensor copy
 of 32 pairs over 36 layers' conv and SSM states took 2 ms of host time a step on an H200 host).
-Math: `reference.copy_state_rows`. This module knows nothing about models or the engine.
+Math: `_reference` (its PyTorch twin, kept here: reference.py is at its size limit).
+This module knows nothing about models or the engine.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mambaserve.ops import reference
 from mambaserve.ops.common import cdiv, check, pack_to_device
 from mambaserve.ops.dispatch import tl, triton, use_triton
 
@@ -32,6 +32,12 @@ def _copy_state_rows_kernel(states_ptr, src_ptr, dst_ptr, layer_stride, row_stri
     dst = tl.load(dst_ptr + p).to(tl.int64)
     base = states_ptr + layer * layer_stride
     tl.store(base + dst * row_stride + offs, tl.load(base + src * row_stride + offs, mask=mask), mask=mask)
+
+
+def _reference(stacks: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """stack[:, dst[p]] = stack[:, src[p]] for every stack (all reads before the writes)."""
+    for s in stacks:
+        s[:, torch.tensor(dst, device=s.device)] = s[:, torch.tensor(src, device=s.device)]
 
 
 def copy_state_rows(stacks: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
@@ -56,7 +62,7 @@ def copy_state_rows(stacks: list[torch.Tensor], pairs: list[tuple[int, int]]) ->
     check(len(set(dst)) == len(dst) and not set(dst) & set(src),
           lambda: f"destination rows must be distinct and not sources, got {pairs}")
     if not use_triton(stacks[0]):
-        reference.copy_state_rows(stacks, src, dst)
+        _reference(stacks, src, dst)
         return
     src_t, dst_t = pack_to_device([src, dst], stacks[0].device)
     for s in stacks:
