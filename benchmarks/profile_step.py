@@ -192,6 +192,21 @@ def _host_summary(prof, steps: int) -> dict:
     return {"waits": rows(waits, 8), "cuda_api": rows(api, 8), "host_ops": rows(ops, 25)}
 
 
+def _python_cumulative(run, steps: int) -> list[dict]:
+    """run() under cProfile: the 30 Python functions with the most cumulative time, per step."""
+    import cProfile
+    import pstats
+
+    cprof = cProfile.Profile()
+    cprof.enable()
+    run()
+    cprof.disable()
+    st = pstats.Stats(cprof)
+    py = sorted(((v[3], v[2], v[1], k) for k, v in st.stats.items()), reverse=True)[:30]  # by cumulative time
+    return [{"function": f"{k[0].split('/')[-1]}:{k[1]}({k[2]})", "cum_us_per_step": c * 1e6 / steps,
+             "self_us_per_step": t * 1e6 / steps, "calls_per_step": n / steps} for c, t, n, k in py]
+
+
 def _mixed_phase(llm, args, rng) -> dict:
     """N decoding requests plus one new prompt a step; profiles `decode_steps` such steps."""
     import torch
@@ -226,17 +241,7 @@ def _mixed_phase(llm, args, rng) -> dict:
     wall_plain = mixed_steps("p")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_prof = mixed_steps("m")
-    import cProfile
-    import pstats
-
-    cprof = cProfile.Profile()
-    cprof.enable()
-    mixed_steps("c")
-    cprof.disable()
-    st = pstats.Stats(cprof)
-    py = sorted(((v[3], v[2], v[1], k) for k, v in st.stats.items()), reverse=True)[:30]  # by cumulative time
-    python_cum = [{"function": f"{k[0].split('/')[-1]}:{k[1]}({k[2]})", "cum_us_per_step": c * 1e6 / steps,
-                   "self_us_per_step": t * 1e6 / steps, "calls_per_step": n / steps} for c, t, n, k in py]
+    python_cum = _python_cumulative(lambda: mixed_steps("c"), steps)
     kinds = eng.usage().step_breakdown
     for rid in added:
         eng.abort_request(rid)  # False for those already finished
@@ -250,9 +255,6 @@ def _mixed_phase(llm, args, rng) -> dict:
 def _verify_phase(llm, args, rng) -> dict:
     """`decode_steps` steps of the batch once every request has its first token: verify steps
     (the engine speculates); profiled, then timed without the profiler, then under cProfile."""
-    import cProfile
-    import pstats
-
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -283,14 +285,7 @@ def _verify_phase(llm, args, rng) -> dict:
     after = eng.usage().spec_decode
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         wall_prof = run()
-    cprof = cProfile.Profile()
-    cprof.enable()
-    run()
-    cprof.disable()
-    st = pstats.Stats(cprof)
-    py = sorted(((v[3], v[2], v[1], k) for k, v in st.stats.items()), reverse=True)[:30]  # by cumulative time
-    python_cum = [{"function": f"{k[0].split('/')[-1]}:{k[1]}({k[2]})", "cum_us_per_step": c * 1e6 / steps,
-                   "self_us_per_step": t * 1e6 / steps, "calls_per_step": n / steps} for c, t, n, k in py]
+    python_cum = _python_cumulative(run, steps)
     for rid in ids:
         eng.abort_request(rid)
     res = _summary(_kernels(prof), steps, wall_prof)
